@@ -1,0 +1,60 @@
+# agent-flywheel: `make demo` and `make test` do all the set-up on a fresh machine.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The exact CPU wheel of torch; a range admitting a newer release pulls GBs of CUDA packages.
+# Elsewhere: make TORCH_SPEC="torch==2.13.0 --index-url <your CPU wheel index>"
+TORCH_SPEC ?= torch==2.13.0
+CONFIG ?= configs/default.yaml
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DS_ACCELERATOR := cpu
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
+
+.PHONY: install install-dev demo test test-fast serve ui bench lint clean
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade uv $(TORCH_SPEC)
+
+# Stamps depend on pyproject.toml: editing dependencies reinstalls.
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -e .
+	$(PY) -m flywheel.training.prebuild
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(VENV)/bin/flywheel run --config $(CONFIG)
+
+test: install-dev
+	$(PY) -m pytest
+
+test-fast: install-dev
+	$(PY) -m pytest -m "not slow and not integration"
+
+serve: install
+	$(VENV)/bin/flywheel serve
+
+ui: install
+	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(abspath work)/mlflow.db
+
+bench: install-dev
+	$(PY) benchmarks/run_all.py
+
+lint: install-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf work

@@ -1,0 +1,257 @@
+"""Typed configuration: YAML files plus ``key.sub=value`` overrides, validated by pydantic.
+
+Every section is a model that refuses unknown keys, and every field carries help text
+(``flywheel config --help-fields`` prints them). A stage reads only its own section, and the
+artifact id of a stage hashes exactly the sections it reads (see ``Config.stage_inputs``), so
+changing DPO's beta reruns dpo and what follows, nothing before it.
+
+    cfg = load_config("configs/default.yaml", ["sft.lr=1e-3", "run.rounds=1"])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message is one line naming the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("default", description="Run name: the folder under the store and the MLflow run name.")
+    work_dir: str = Field("work", description="Folder for the store, the MLflow database and logs (relative to the current directory).")
+    store: str | None = Field(None, description="Artifact store root: a local path or any fsspec URL (s3://, gs://, memory://). Default: <work_dir>/store.")
+    seed: int = Field(0, description="Seed for task generation, model init, sampling and data order.")
+    rounds: int = Field(2, ge=0, description="Flywheel rounds after the bootstrap (round 0 = tasks, expert, sft).")
+    log_every: int = Field(20, ge=1, description="Print a progress line every this many training steps.")
+
+    def store_root(self) -> str:
+        return self.store or str(Path(self.work_dir) / "store")
+
+
+class TinyModelConfig(Section):
+    hidden_size: int = Field(128, description="Width of the embedded Llama-architecture policy.")
+    num_layers: int = Field(4, description="Transformer layers of the embedded policy.")
+    num_heads: int = Field(4, description="Attention heads of the embedded policy.")
+    intermediate_size: int = Field(384, description="MLP width of the embedded policy.")
+    max_position_embeddings: int = Field(1024, description="Longest sequence the embedded policy accepts.")
+    tokenizer_tasks: int = Field(4000, ge=1, description="Expert episodes per env whose text trains the word-level tokenizer.")
+
+
+class ModelConfig(Section):
+    base: str | None = Field(None, description="Local Hugging Face model folder to start from; null builds the embedded tiny policy and tokenizer locally.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the embedded policy (used when base is null).")
+
+
+class EnvConfig(Section):
+    name: str = Field(..., description="Env name: a built-in (arith) or a label for a user env.")
+    suite: str | None = Field(None, description="Dotted path 'package.module:Class' of a user EnvSuite; null for built-ins.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the suite's constructor.")
+    n_train: int = Field(2000, ge=1, description="Training tasks generated for this env.")
+    n_test: int = Field(200, ge=1, description="Held-out test tasks generated for this env.")
+    max_steps: int = Field(8, ge=1, description="Agent turns per episode before it is cut (finish reason max_steps).")
+
+
+class EngineConfig(Section):
+    kind: Literal["hf"] = Field("hf", description="Generation engine: hf (in-process transformers).")
+    batch_size: int = Field(256, ge=1, description="Chats per generate call.")
+    max_new_tokens: int = Field(48, ge=1, description="Tokens per assistant turn at most.")
+    env_workers: int = Field(8, ge=1, description="Threads stepping environments in parallel.")
+
+
+class TrainSection(Section):
+    epochs: float = Field(3.0, gt=0, description="Passes over the training examples.")
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    warmup_ratio: float = Field(0.03, ge=0, le=1, description="Share of steps spent warming up the learning rate.")
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward pass per rank.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    max_length: int = Field(1024, ge=8, description="Longer sequences are cut at the end.")
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    checkpoint_every: int = Field(0, ge=0, description="Save resumable training state every N steps (0: only at the end).")
+    max_steps: int | None = Field(None, description="Stop after this many optimizer steps (null: run all epochs).")
+
+
+class SftConfig(TrainSection):
+    pass
+
+
+class TasksConfig(Section):
+    pass
+
+
+class ExpertConfig(Section):
+    pass
+
+
+class ExploreConfig(Section):
+    samples_per_task: int = Field(4, ge=1, description="K rollouts per training task.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    n_tasks: int | None = Field(None, description="Explore only the first N training tasks per env (null: all).")
+    shard_size: int = Field(256, ge=1, description="Episodes per Parquet shard; finished shards survive a crash.")
+
+
+class EvaluateConfig(Section):
+    temperature: float = Field(0.0, ge=0, description="0 = greedy decoding (the default for evaluation).")
+    n_tasks: int | None = Field(None, description="Evaluate on the first N test tasks per env (null: all).")
+    shard_size: int = Field(256, ge=1, description="Episodes per Parquet shard.")
+
+
+class TrackingConfig(Section):
+    enabled: bool = Field(True, description="Log runs, params, metrics and manifests to MLflow.")
+    uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<work_dir>/mlflow.db.")
+    experiment: str = Field("agent-flywheel", description="MLflow experiment name.")
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity, paths and the number of rounds.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy to start from.")
+    envs: list[EnvConfig] = Field(default_factory=lambda: [EnvConfig(name="arith")], description="Environments trained and evaluated on.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="How the policy generates.")
+    tasks: TasksConfig = Field(default_factory=TasksConfig, description="Task generation (sizes live on each env).")
+    expert: ExpertConfig = Field(default_factory=ExpertConfig, description="Expert trajectories from the envs' oracles.")
+    sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning on expert trajectories.")
+    explore: ExploreConfig = Field(default_factory=ExploreConfig, description="Exploration rollouts of the current policy.")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Held-out evaluation.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+
+    @model_validator(mode="after")
+    def _unique_envs(self) -> Config:
+        names = [e.name for e in self.envs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"env names must be unique, got {names}")
+        return self
+
+    def stage_inputs(self, stage: str) -> dict[str, Any]:
+        """The resolved config a stage's artifact id depends on (and nothing else)."""
+        envs = [e.model_dump() for e in self.envs]
+        seed = self.run.seed
+        engine = self.engine.model_dump(exclude={"env_workers"})
+        by_stage: dict[str, dict[str, Any]] = {
+            "tasks": {"envs": envs, "seed": seed},
+            "expert": {"envs": envs},
+            "init": {"model": self.model.model_dump(), "seed": seed},
+            "sft": {"sft": self.sft.model_dump(), "seed": seed},
+            "explore": {"explore": self.explore.model_dump(), "engine": engine, "envs": envs, "seed": seed},
+            "evaluate": {"evaluate": self.evaluate.model_dump(), "engine": engine, "envs": envs},
+        }
+        if stage not in by_stage:
+            raise KeyError(f"unknown stage {stage!r}")
+        return by_stage[stage]
+
+    def tracking_uri(self) -> str:
+        if self.tracking.uri:
+            return self.tracking.uri
+        return "sqlite:///" + str((Path(self.run.work_dir) / "mlflow.db").resolve())
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node: Any = data
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = _list_item(node, part, ".".join(parts[: i + 1]))
+            continue
+        node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"config override {dotted}: {'.'.join(parts[: i + 1])} is not a section")
+    last = parts[-1]
+    if isinstance(node, list):
+        # envs.arith.n_test=50 addresses the list entry by name
+        raise ConfigError(f"config override {dotted}: name a field of a list entry, e.g. envs.<name>.<field>")
+    node[last] = value
+
+
+def _list_item(items: list[Any], key: str, where: str) -> Any:
+    for item in items:
+        if isinstance(item, dict) and item.get("name") == key:
+            return item
+    if key.isdigit() and int(key) < len(items):
+        return items[int(key)]
+    raise ConfigError(f"config override: no entry named {key!r} in {where.rsplit('.', 1)[0]}")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"config override {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"config override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"config error: unknown key {loc}"
+    if kind == "missing":
+        return f"config error: missing required key {loc}"
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"config error: {loc}: {first['msg']}{more}"
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or the defaults when ``path`` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config error: no such file {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config error: {path}{where} is not valid YAML") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config error: {path} must hold a mapping at the top level")
+        data = loaded or {}
+    if any(o.startswith("envs.") for o in overrides) and "envs" not in data:
+        data["envs"] = [e.model_dump() for e in Config().envs]
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    return config_from_dict(data)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
+
+
+def field_help(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, help text) for every field, recursing into sections."""
+    rows: list[tuple[str, str]] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        rows.append((key, field.description or ""))
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(field_help(ann, key + "."))
+    return rows

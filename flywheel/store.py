@@ -1,0 +1,359 @@
+"""The artifact store: versioned Parquet folders with a manifest and lineage.
+
+Layout: ``<root>/<run>/round-<r>/<stage>/<artifact-id>/`` holding Parquet shards (or a Hugging
+Face checkpoint folder) and ``manifest.json``. The id is ``<stage>-<hash>`` where the hash covers
+(stage, the stage's resolved config, the input artifact ids, the schema version): running a
+stage whose id exists is a cache hit. ``force=True`` writes a new version ``<stage>-<hash>.<n>``;
+later runs pick the newest version, so what follows reruns too.
+
+Writes are atomic. Everything goes to a sibling ``.tmp-<id>`` folder; each shard is written to a
+``.part`` file and renamed, so a finished shard is complete or absent; the manifest is written
+last and the folder renamed into place. A reader only sees folders with a manifest. After a
+crash the next run reopens the same ``.tmp-<id>`` folder and keeps its finished shards.
+
+The root is a local path or any fsspec URL (``s3://``, ``gs://``, ``memory://``).
+
+    store = Store("work/store", run="default")
+    w = store.writer("trajectories", stage="explore", round=1, config=..., inputs=[ckpt.id])
+    if w.cached:
+        return w.ref
+    for i, rows in enumerate(shards):
+        if not w.has_shard(i):
+            w.write_shard(i, rows)
+    return w.commit(summary={"success_rate": 0.4})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_contracts import CONTRACTS, Contract, SchemaError, table_from_rows, validate_table
+
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(RuntimeError):
+    """An artifact is missing, incomplete or corrupted; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    id: str
+    kind: str
+    stage: str
+    round: int
+    path: str  # folder URL or local path
+    manifest: dict[str, Any] = field(compare=False, repr=False)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.manifest.get("summary", {})
+
+    @property
+    def inputs(self) -> list[str]:
+        return self.manifest.get("inputs", [])
+
+
+def config_hash(stage: str, config: Any, inputs: list[str], schema_version: int) -> str:
+    payload = json.dumps(
+        {"stage": stage, "config": config, "inputs": list(inputs), "schema": schema_version},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+@cache
+def code_version() -> str:
+    from flywheel import __version__
+
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{__version__}+{sha}" if sha else __version__
+
+
+class Store:
+    def __init__(self, root: str, run: str = "default"):
+        self.root_url = root
+        self.run = run
+        self.fs, base = fsspec.core.url_to_fs(root)
+        self.base = base.rstrip("/") + "/" + run
+        self.local = _is_local(self.fs)
+
+    # -- paths ---------------------------------------------------------------------------------
+    def _stage_dir(self, round: int, stage: str) -> str:
+        return f"{self.base}/round-{round}/{stage}"
+
+    def _url(self, path: str) -> str:
+        return path if self.local else self.fs.unstrip_protocol(path)
+
+    # -- writing -------------------------------------------------------------------------------
+    def writer(
+        self,
+        kind: str,
+        *,
+        stage: str,
+        round: int,
+        config: Any,
+        inputs: list[str],
+        force: bool = False,
+    ) -> ArtifactWriter:
+        contract = _contract(kind)
+        digest = config_hash(stage, config, inputs, contract.version)
+        base_id = f"{stage}-{digest}"
+        latest = self._latest(round, stage, base_id)
+        if latest is not None and not force:
+            return ArtifactWriter(self, contract, stage, round, latest.id, config, inputs, cached=latest)
+        version = 1 if latest is None else _version(latest.id) + 1
+        art_id = base_id if version == 1 else f"{base_id}.{version}"
+        return ArtifactWriter(self, contract, stage, round, art_id, config, inputs)
+
+    # -- reading -------------------------------------------------------------------------------
+    def _latest(self, round: int, stage: str, base_id: str) -> ArtifactRef | None:
+        stage_dir = self._stage_dir(round, stage)
+        best: ArtifactRef | None = None
+        for path in self.fs.glob(f"{stage_dir}/{base_id}*/{MANIFEST}"):
+            folder = path.rsplit("/", 2)[-2]
+            if folder != base_id and not folder.startswith(base_id + "."):
+                continue
+            ref = self._load(path.rsplit("/", 1)[0])
+            if best is None or _version(ref.id) > _version(best.id):
+                best = ref
+        return best
+
+    def _load(self, folder: str) -> ArtifactRef:
+        path = f"{folder}/{MANIFEST}"
+        try:
+            with self.fs.open(path, "r") as fh:
+                manifest = json.load(fh)
+            return ArtifactRef(
+                id=manifest["id"],
+                kind=manifest["kind"],
+                stage=manifest["stage"],
+                round=int(manifest["round"]),
+                path=self._url(folder),
+                manifest=manifest,
+            )
+        except FileNotFoundError:
+            raise ArtifactError(f"artifact folder {self._url(folder)} has no manifest") from None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ArtifactError(f"corrupted manifest {self._url(path)}: {err}") from None
+
+    def list(self, round: int | None = None, stage: str | None = None) -> list[ArtifactRef]:
+        r = "*" if round is None else str(round)
+        s = stage or "*"
+        refs = [self._load(p.rsplit("/", 1)[0]) for p in self.fs.glob(f"{self.base}/round-{r}/{s}/*/{MANIFEST}")]
+        return sorted(refs, key=lambda ref: (ref.round, ref.manifest.get("created", "")))
+
+    def get(self, artifact_id: str) -> ArtifactRef:
+        """Find an artifact by id anywhere in this run."""
+        stage = artifact_id.split("-", 1)[0]
+        hits = self.fs.glob(f"{self.base}/round-*/{stage}/{artifact_id}/{MANIFEST}")
+        if not hits:
+            raise ArtifactError(f"no artifact {artifact_id} in {self.root_url}/{self.run}")
+        return self._load(hits[0].rsplit("/", 1)[0])
+
+    def latest(self, stage: str, round: int | None = None) -> ArtifactRef | None:
+        """Newest artifact a stage wrote (in one round, or in any)."""
+        refs = self.list(round=round, stage=stage)
+        return refs[-1] if refs else None
+
+    def read(self, ref: ArtifactRef | str, columns: list[str] | None = None) -> pa.Table:
+        """All rows of a table artifact, validated against its contract."""
+        ref = self.get(ref) if isinstance(ref, str) else ref
+        contract = _contract(ref.kind)
+        if ref.manifest.get("schema_version") != contract.version:
+            raise SchemaError(
+                f"schema mismatch in {ref.path}: written with {ref.kind} "
+                f"v{ref.manifest.get('schema_version')}, this code reads v{contract.version}"
+            )
+        folder = ref.path if self.local else self.fs._strip_protocol(ref.path)
+        tables = []
+        for name in ref.manifest.get("shards", []):
+            path = f"{folder}/{name}"
+            try:
+                with self.fs.open(path, "rb") as fh:
+                    table = pq.read_table(fh)
+            except FileNotFoundError:
+                raise ArtifactError(f"artifact {ref.id} is missing shard {self._url(path)}") from None
+            except (pa.ArrowInvalid, OSError) as err:
+                raise ArtifactError(f"corrupted shard {self._url(path)}: {str(err).splitlines()[0]}") from None
+            tables.append(validate_table(contract, table, self._url(path)))
+        if not tables:
+            return contract.schema.empty_table()
+        table = pa.concat_tables(tables)
+        if table.num_rows != ref.manifest.get("rows"):
+            raise ArtifactError(f"artifact {ref.id} has {table.num_rows} rows, manifest says {ref.manifest.get('rows')}")
+        return table.select(columns) if columns else table
+
+    def local_path(self, ref: ArtifactRef) -> Path:
+        """A local folder holding the artifact's files (downloaded once for remote stores)."""
+        if self.local:
+            return Path(ref.path)
+        cache_dir = Path(tempfile.gettempdir()) / "flywheel-cache" / ref.id
+        if not (cache_dir / MANIFEST).exists():
+            tmp = cache_dir.with_name(cache_dir.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.fs.get(self.fs._strip_protocol(ref.path) + "/", str(tmp) + "/", recursive=True)
+            tmp.rename(cache_dir)
+        return cache_dir
+
+    def lineage(self, artifact_id: str) -> dict[str, Any]:
+        """The artifact and, recursively, everything it was made from."""
+        ref = self.get(artifact_id)
+        return {
+            "id": ref.id,
+            "kind": ref.kind,
+            "stage": ref.stage,
+            "round": ref.round,
+            "summary": ref.summary,
+            "inputs": [self.lineage(i) for i in ref.inputs],
+        }
+
+
+class ArtifactWriter:
+    """Writes one artifact version; see the module docstring for the protocol."""
+
+    def __init__(self, store: Store, contract: Contract, stage: str, round: int, art_id: str,
+                 config: Any, inputs: list[str], cached: ArtifactRef | None = None):
+        self.store = store
+        self.contract = contract
+        self.stage = stage
+        self.round = round
+        self.id = art_id
+        self.config = config
+        self.inputs = list(inputs)
+        self.cached = cached
+        stage_dir = store._stage_dir(round, stage)
+        self.final_dir = f"{stage_dir}/{art_id}"
+        self.tmp_dir = f"{stage_dir}/.tmp-{art_id}"
+        self._local_tmp: Path | None = None
+        if cached is None:
+            store.fs.makedirs(self.tmp_dir, exist_ok=True)
+
+    @property
+    def ref(self) -> ArtifactRef:
+        if self.cached is None:
+            raise ArtifactError(f"artifact {self.id} is not written yet")
+        return self.cached
+
+    @staticmethod
+    def shard_name(index: int) -> str:
+        return f"part-{index:05d}.parquet"
+
+    def has_shard(self, index: int) -> bool:
+        return self.store.fs.exists(f"{self.tmp_dir}/{self.shard_name(index)}")
+
+    def finished_shards(self) -> list[int]:
+        names = self.store.fs.ls(self.tmp_dir, detail=False)
+        return sorted(int(n.rsplit("/", 1)[-1][5:10]) for n in names if n.endswith(".parquet") and "part-" in n)
+
+    def write_shard(self, index: int, rows: list[dict[str, Any]] | pa.Table) -> int:
+        """Validate and write one shard atomically; returns its row count."""
+        name = self.shard_name(index)
+        where = self.store._url(f"{self.final_dir}/{name}")
+        if isinstance(rows, pa.Table):
+            table = validate_table(self.contract, rows, where)
+        else:
+            table = table_from_rows(self.contract, rows, where)
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        fs = self.store.fs
+        part = f"{self.tmp_dir}/{name}.part"
+        with fs.open(part, "wb") as fh:
+            fh.write(buf.getvalue())
+        fs.mv(part, f"{self.tmp_dir}/{name}")
+        return table.num_rows
+
+    def local_dir(self) -> Path:
+        """A local folder for file artifacts (checkpoints); committed with the manifest."""
+        if self.store.local:
+            return Path(self.tmp_dir)
+        if self._local_tmp is None:
+            self._local_tmp = Path(tempfile.mkdtemp(prefix=f"flywheel-{self.id}-"))
+        return self._local_tmp
+
+    def commit(self, summary: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> ArtifactRef:
+        fs = self.store.fs
+        if self._local_tmp is not None:
+            fs.put(str(self._local_tmp) + "/", self.tmp_dir + "/", recursive=True)
+            shutil.rmtree(self._local_tmp, ignore_errors=True)
+        shards = [self.shard_name(i) for i in self.finished_shards()]
+        rows = 0
+        for name in shards:
+            with fs.open(f"{self.tmp_dir}/{name}", "rb") as fh:
+                rows += pq.ParquetFile(fh).metadata.num_rows
+        manifest = {
+            "id": self.id,
+            "kind": self.contract.kind,
+            "stage": self.stage,
+            "round": self.round,
+            "run": self.store.run,
+            "schema_version": self.contract.version,
+            "rows": rows,
+            "shards": shards,
+            "inputs": self.inputs,
+            "config_hash": self.id.split("-", 1)[1].split(".")[0],
+            "config": self.config,
+            "code_version": code_version(),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "summary": summary or {},
+            **(extra or {}),
+        }
+        text = json.dumps(manifest, indent=2, sort_keys=False, default=str)
+        if self.store.local:
+            # The folder rename is the commit point: the manifest is inside before it happens.
+            with open(f"{self.tmp_dir}/{MANIFEST}", "w") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if os.path.exists(self.final_dir):
+                shutil.rmtree(self.final_dir)  # a manifest-less leftover of an earlier crash
+            os.rename(self.tmp_dir, self.final_dir)
+        else:
+            # No atomic folder rename on object stores: copy, then write the manifest last.
+            fs.mv(self.tmp_dir, self.final_dir, recursive=True)
+            with fs.open(f"{self.final_dir}/{MANIFEST}", "w") as fh:
+                fh.write(text)
+        self.cached = self.store._load(self.final_dir)
+        return self.cached
+
+
+def _contract(kind: str) -> Contract:
+    try:
+        return CONTRACTS[kind]
+    except KeyError:
+        raise ArtifactError(f"unknown artifact kind {kind!r}; known: {', '.join(sorted(CONTRACTS))}") from None
+
+
+def _version(art_id: str) -> int:
+    tail = art_id.rsplit(".", 1)
+    return int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else 1
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")

@@ -1,0 +1,176 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_contracts import SchemaError
+from flywheel.store import ArtifactError, Store
+
+
+def task_rows(n, split="train"):
+    return [
+        {
+            "task_id": f"t-{split}-{i}",
+            "env": "arith",
+            "split": split,
+            "seed": i,
+            "difficulty": 1,
+            "prompt": f"what is {i} + 1?",
+            "answer": str(i + 1),
+            "meta": "{}",
+        }
+        for i in range(n)
+    ]
+
+
+def write_tasks(store, n=5, config=None, force=False, inputs=()):
+    w = store.writer("tasks", stage="tasks", round=0, config=config or {"n": n}, inputs=list(inputs), force=force)
+    if w.cached:
+        return w.ref, True
+    w.write_shard(0, task_rows(n))
+    return w.commit(summary={"n": n}), False
+
+
+def test_write_then_read_roundtrip(tmp_path):
+    store = Store(str(tmp_path), run="r")
+    ref, cached = write_tasks(store)
+    assert not cached
+    table = store.read(ref)
+    assert table.num_rows == 5
+    assert table.column("answer").to_pylist() == [str(i + 1) for i in range(5)]
+    assert ref.manifest["rows"] == 5 and ref.manifest["kind"] == "tasks"
+    assert (tmp_path / "r" / "round-0" / "tasks" / ref.id / "manifest.json").exists()
+    # no temporary folder is left behind
+    assert not [p for p in (tmp_path / "r" / "round-0" / "tasks").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_same_config_is_cache_hit_and_force_makes_new_version(tmp_path):
+    store = Store(str(tmp_path))
+    ref1, _ = write_tasks(store)
+    ref2, cached = write_tasks(store)
+    assert cached and ref2.id == ref1.id
+    ref3, cached = write_tasks(store, force=True)
+    assert not cached and ref3.id == ref1.id + ".2"
+    ref4, cached = write_tasks(store)
+    assert cached and ref4.id == ref3.id  # the newest version wins
+    ref5, cached = write_tasks(store, config={"n": 6}, n=6)
+    assert not cached and ref5.id != ref1.id
+
+
+def test_inputs_change_the_id(tmp_path):
+    store = Store(str(tmp_path))
+    a, _ = write_tasks(store, inputs=["x-1"])
+    b, _ = write_tasks(store, inputs=["x-2"])
+    assert a.id != b.id
+
+
+def test_schema_mismatch_on_write_names_column(tmp_path):
+    store = Store(str(tmp_path))
+    w = store.writer("tasks", stage="tasks", round=0, config={}, inputs=[])
+    rows = task_rows(2)
+    rows[1]["difficulty"] = "hard"
+    with pytest.raises(SchemaError, match="schema mismatch"):
+        w.write_shard(0, rows)
+    rows = task_rows(2)
+    del rows[0]["prompt"]
+    with pytest.raises(SchemaError, match="'prompt'"):
+        w.write_shard(0, rows)
+
+
+def test_schema_mismatch_on_read_names_file_and_column(tmp_path):
+    store = Store(str(tmp_path))
+    ref, _ = write_tasks(store)
+    shard = tmp_path / "default" / "round-0" / "tasks" / ref.id / "part-00000.parquet"
+    table = pq.read_table(shard)
+    table = table.set_column(table.schema.get_field_index("seed"), "seed", pa.array(["x"] * 5))
+    pq.write_table(table, shard)
+    with pytest.raises(SchemaError, match=r"part-00000.parquet: column 'seed' has type string, expected int64"):
+        store.read(ref)
+
+
+def test_missing_and_corrupted_artifacts(tmp_path):
+    store = Store(str(tmp_path))
+    with pytest.raises(ArtifactError, match="no artifact tasks-nope"):
+        store.get("tasks-nope")
+    ref, _ = write_tasks(store)
+    folder = tmp_path / "default" / "round-0" / "tasks" / ref.id
+    (folder / "part-00000.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ArtifactError, match="corrupted shard"):
+        store.read(ref.id)
+    (folder / "part-00000.parquet").unlink()
+    with pytest.raises(ArtifactError, match="missing shard"):
+        store.read(ref.id)
+    (folder / "manifest.json").write_text("{broken")
+    with pytest.raises(ArtifactError, match="corrupted manifest"):
+        store.get(ref.id)
+
+
+def test_unfinished_writer_is_invisible_and_resumes(tmp_path):
+    store = Store(str(tmp_path))
+    w = store.writer("tasks", stage="tasks", round=0, config={"k": 1}, inputs=[])
+    w.write_shard(0, task_rows(3))
+    assert store.list() == []  # no manifest yet: readers see nothing
+    w2 = store.writer("tasks", stage="tasks", round=0, config={"k": 1}, inputs=[])
+    assert w2.id == w.id and w2.has_shard(0) and not w2.has_shard(1)
+    w2.write_shard(1, task_rows(2, split="test"))
+    ref = w2.commit()
+    assert store.read(ref).num_rows == 5
+
+
+def test_partial_shard_file_is_not_a_finished_shard(tmp_path):
+    store = Store(str(tmp_path))
+    w = store.writer("tasks", stage="tasks", round=0, config={}, inputs=[])
+    # a crash in the middle of a shard write leaves only the .part file
+    with open(f"{w.tmp_dir}/{w.shard_name(0)}.part", "wb") as fh:
+        fh.write(b"PAR1 half")
+    assert not w.has_shard(0)
+    assert w.finished_shards() == []
+
+
+def test_fsspec_memory_store_and_lineage():
+    store = Store("memory://flywheel-test", run="m")
+    a, _ = write_tasks(store, config={"a": 1})
+    w = store.writer("tasks", stage="expert", round=0, config={}, inputs=[a.id])
+    w.write_shard(0, task_rows(1))
+    b = w.commit()
+    assert store.read(b.id).num_rows == 1
+    tree = store.lineage(b.id)
+    assert tree["inputs"][0]["id"] == a.id
+    assert {r.id for r in store.list()} == {a.id, b.id}
+    assert store.local_path(b).joinpath("manifest.json").exists()
+
+
+def test_sigkill_during_write_never_exposes_partial_artifact(tmp_path):
+    # A child writes shards slowly and is killed; the parent sees no artifact, then resumes.
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from flywheel.store import Store
+        from tests.flywheel.test_store import task_rows
+        store = Store({str(tmp_path)!r})
+        w = store.writer("tasks", stage="tasks", round=0, config={{"slow": 1}}, inputs=[])
+        for i in range(5):
+            if not w.has_shard(i):
+                w.write_shard(i, task_rows(4))
+            if i == 2 and len(sys.argv) > 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+        ref = w.commit()
+        print(ref.manifest["rows"])
+        """
+    )
+    killed = subprocess.run([sys.executable, "-c", script, "kill"], capture_output=True, text=True)
+    assert killed.returncode == -9
+    store = Store(str(tmp_path))
+    assert store.list() == []
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "20"
+    ref = store.list()[0]
+    assert json.loads((tmp_path / "default" / "round-0" / "tasks" / ref.id / "manifest.json").read_text())["shards"] == [
+        f"part-0000{i}.parquet" for i in range(5)
+    ]

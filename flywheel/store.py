@@ -102,6 +102,7 @@ class Store:
         self.fs, base = fsspec.core.url_to_fs(root)
         self.base = base.rstrip("/") + "/" + run
         self.local = _is_local(self.fs)
+        self.committed: set[str] = set()  # ids written by this process (the rest were cache hits)
 
     # -- paths ---------------------------------------------------------------------------------
     def _stage_dir(self, round: int, stage: str) -> str:
@@ -288,6 +289,14 @@ class ArtifactWriter:
         fs.mv(part, f"{self.tmp_dir}/{name}")
         return table.num_rows
 
+    def read_shards(self) -> pa.Table:
+        """The finished shards written so far (this run's and a crashed run's), validated."""
+        tables = []
+        for i in self.finished_shards():
+            with self.store.fs.open(f"{self.tmp_dir}/{self.shard_name(i)}", "rb") as fh:
+                tables.append(validate_table(self.contract, pq.read_table(fh), self.shard_name(i)))
+        return pa.concat_tables(tables) if tables else self.contract.schema.empty_table()
+
     def local_dir(self) -> Path:
         """A local folder for file artifacts (checkpoints); committed with the manifest."""
         if self.store.local:
@@ -339,6 +348,7 @@ class ArtifactWriter:
             with fs.open(f"{self.final_dir}/{MANIFEST}", "w") as fh:
                 fh.write(text)
         self.cached = self.store._load(self.final_dir)
+        self.store.committed.add(self.id)
         return self.cached
 
 

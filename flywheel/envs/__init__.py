@@ -1,0 +1,62 @@
+"""Environments: the built-in suites by name, user suites by dotted path, and the conversion
+between ``Task`` objects and rows of the ``tasks`` contract."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+from flywheel.envs.base import Env, EnvSuite, Task
+
+# Built-in suites, by name. A user's suite is named by its dotted path in the config instead.
+BUILTIN = {"arith": "flywheel.envs.arith:ArithSuite"}
+
+
+def make_suite(env_cfg: Any) -> EnvSuite:
+    """Instantiate the suite an ``EnvConfig`` names, with its options."""
+    target = env_cfg.suite or BUILTIN.get(env_cfg.name)
+    if target is None:
+        raise ValueError(
+            f"env {env_cfg.name!r} is not built in ({', '.join(BUILTIN)}); set suite: 'module:Class'"
+        )
+    module_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"env {env_cfg.name!r}: cannot import {target!r} ({err})") from None
+    try:
+        suite = cls(**env_cfg.options)
+    except TypeError as err:
+        raise ValueError(f"env {env_cfg.name!r}: bad options {env_cfg.options} ({err})") from None
+    suite.name = env_cfg.name
+    return suite
+
+
+def task_to_row(task: Task) -> dict[str, Any]:
+    return {
+        "task_id": task.task_id,
+        "env": task.env,
+        "split": task.split,
+        "seed": task.seed,
+        "difficulty": task.difficulty,
+        "prompt": task.prompt,
+        "answer": task.answer,
+        "meta": json.dumps(task.meta, sort_keys=True),
+    }
+
+
+def row_to_task(row: dict[str, Any]) -> Task:
+    return Task(
+        task_id=row["task_id"],
+        env=row["env"],
+        split=row["split"],
+        seed=int(row["seed"]),
+        difficulty=int(row["difficulty"]),
+        prompt=row["prompt"],
+        answer=row["answer"],
+        meta=json.loads(row["meta"]) if row["meta"] else {},
+    )
+
+
+__all__ = ["BUILTIN", "Env", "EnvSuite", "Task", "make_suite", "row_to_task", "task_to_row"]

@@ -1,0 +1,191 @@
+"""Prefect flows that only wire stages: ``flywheel`` (bootstrap then N rounds), ``iteration``
+(one round) and ``stage`` (one stage of one round).
+
+Caching lives in the artifact store, not in Prefect: every stage computes its artifact id from
+its config and inputs and returns at once when that artifact exists. So ``iteration`` and
+``stage`` simply walk the DAG from the start; the stages before the one asked for are cache hits.
+
+Run in-process (no server needed):
+
+    flywheel run                      # == python -m flows.flywheel
+    flywheel stage sft --round 0 --force
+
+or, with ``make serve``, as deployments: ``prefect deployment run 'flywheel/default'``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from prefect import flow, task
+from prefect.cache_policies import NONE
+
+import stages.evaluate
+import stages.expert
+import stages.explore
+import stages.init
+import stages.sft
+import stages.tasks
+from flywheel.config import Config, load_config
+from flywheel.report import STATE_FILE, collect, format_table
+from flywheel.store import ArtifactRef, Store
+from flywheel.tracking import Tracker
+
+# Stages that talk to environments get a retry: env servers are the flaky part.
+RETRIES = {"expert": 1, "explore": 1, "evaluate": 1}
+
+
+class StopAfter(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, ref: ArtifactRef):
+        self.ref = ref
+
+
+@dataclass
+class Plan:
+    """What one flow invocation does: which (stage, round) to force, where to stop."""
+
+    cfg: Config
+    store: Store
+    tracker: Tracker
+    force: set[tuple[str, int]] = field(default_factory=set)
+    force_all: bool = False
+    stop_at: tuple[str, int] | None = None
+    parent_run: str | None = None
+    evaluations: list[str] = field(default_factory=list)
+
+
+@task(cache_policy=NONE, task_run_name="{name}-round-{round}")
+def run_stage(name: str, round: int, plan: Plan, *inputs: ArtifactRef, **kwargs) -> ArtifactRef:
+    force = plan.force_all or (name, round) in plan.force
+    module = {
+        "tasks": stages.tasks,
+        "expert": stages.expert,
+        "init": stages.init,
+        "sft": stages.sft,
+        "explore": stages.explore,
+        "evaluate": stages.evaluate,
+    }[name]
+    if name in ("tasks", "expert", "init"):
+        ref = module.run(plan.cfg, plan.store, *inputs, force=force)
+    else:
+        ref = module.run(plan.cfg, plan.store, *inputs, round=round, force=force, **kwargs)
+    return ref
+
+
+def _step(plan: Plan, name: str, round: int, *inputs: ArtifactRef, last: bool = True, **kwargs) -> ArtifactRef:
+    """Run one stage; ``last=False`` marks a stage that runs again later in the same round
+    (round 0 evaluates pi_init, then the SFT policy), so ``stage`` stops at the later one."""
+    ref = run_stage.with_options(retries=RETRIES.get(name, 0))(name, round, plan, *inputs, **kwargs)
+    cached = ref.id not in plan.store.committed
+    print(f"[round {round}] {name:<9} {'cache hit' if cached else 'done     '}  {ref.id}  {_headline(ref)}", flush=True)
+    plan.tracker.log_stage(plan.parent_run, plan.store, ref, cached)
+    if name == "evaluate":
+        plan.evaluations.append(ref.id)
+    if plan.stop_at == (name, round) and last:
+        raise StopAfter(ref)
+    return ref
+
+
+def _headline(ref: ArtifactRef) -> str:
+    keys = [k for k in ref.summary if k.endswith("/success_rate")]
+    if keys:
+        return "  ".join(f"{k}={ref.summary[k]:.3f}" for k in keys)
+    if "final_loss" in ref.summary:
+        return f"loss={ref.summary['final_loss']:.4f}"
+    return ""
+
+
+def bootstrap(plan: Plan) -> dict[str, ArtifactRef]:
+    """Round 0: tasks -> expert -> init -> sft, with the untrained and SFT policies evaluated."""
+    tasks = _step(plan, "tasks", 0)
+    expert = _step(plan, "expert", 0, tasks)
+    init = _step(plan, "init", 0, expert)
+    _step(plan, "evaluate", 0, init, tasks, last=False)
+    sft = _step(plan, "sft", 0, init, [expert])
+    _step(plan, "evaluate", 0, sft, tasks)
+    return {"tasks": tasks, "expert": expert, "policy": sft}
+
+
+def one_round(plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, ArtifactRef]) -> ArtifactRef:
+    """Round r >= 1: explore with pi_r, train on what worked, evaluate pi_{r+1}."""
+    explored = _step(plan, "explore", round, policy, boot["tasks"])
+    trained = _step(plan, "sft", round, policy, [explored])
+    _step(plan, "evaluate", round, trained, boot["tasks"])
+    return trained
+
+
+def _walk(plan: Plan, rounds: int) -> ArtifactRef | None:
+    try:
+        boot = bootstrap(plan)
+        policy = boot["policy"]
+        for r in range(1, rounds + 1):
+            policy = one_round(plan, r, policy, boot)
+        return policy
+    except StopAfter as stop:
+        return stop.ref
+
+
+def _plan(config: str | None, overrides: list[str], **kw) -> Plan:
+    cfg = load_config(config, overrides)
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    tracker = Tracker(cfg.tracking_uri(), cfg.tracking.experiment, enabled=cfg.tracking.enabled)
+    return Plan(cfg=cfg, store=store, tracker=tracker, **kw)
+
+
+def _tracked(plan: Plan, name: str, rounds: int) -> ArtifactRef | None:
+    plan.parent_run = plan.tracker.start(name, tags={"run": plan.cfg.run.name, "store": plan.cfg.run.store_root()})
+    plan.tracker.log_params(plan.parent_run, plan.cfg.model_dump())
+    status = "FAILED"
+    try:
+        result = _walk(plan, rounds)
+        status = "FINISHED"
+        return result
+    finally:
+        plan.tracker.end(plan.parent_run, status)
+
+
+@flow(name="flywheel", validate_parameters=False)
+def flywheel_flow(config: str | None = None, overrides: list[str] | None = None, rounds: int | None = None,
+                  force: bool = False) -> list[dict]:
+    """Bootstrap then ``rounds`` rounds (default: the config's run.rounds); prints the report."""
+    plan = _plan(config, list(overrides or []), force_all=force)
+    n = plan.cfg.run.rounds if rounds is None else rounds
+    _tracked(plan, f"{plan.cfg.run.name}", n)
+    state = {"run": plan.cfg.run.name, "rounds": n, "evaluations": plan.evaluations}
+    with plan.store.fs.open(f"{plan.store.base}/{STATE_FILE}", "w") as fh:
+        json.dump(state, fh, indent=2)
+    rows = collect(plan.store)
+    print(format_table(rows))
+    return rows
+
+
+@flow(name="iteration", validate_parameters=False)
+def iteration_flow(config: str | None = None, overrides: list[str] | None = None, round: int = 1) -> str | None:
+    """One round: everything before it is a cache hit (or is computed if missing)."""
+    plan = _plan(config, list(overrides or []))
+    ref = _tracked(plan, f"{plan.cfg.run.name}-round-{round}", round)
+    return ref.id if ref else None
+
+
+@flow(name="stage", validate_parameters=False)
+def stage_flow(name: str, round: int = 0, config: str | None = None, overrides: list[str] | None = None,
+               force: bool = False) -> str:
+    """One stage of one round (``force`` writes a new version even when nothing changed)."""
+    known = {"tasks", "expert", "init", "sft", "explore", "evaluate"}
+    if name not in known:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(sorted(known))}")
+    if round == 0 and name == "explore" or round > 0 and name in ("tasks", "expert", "init"):
+        raise ValueError(f"stage {name} does not run in round {round}")
+    plan = _plan(config, list(overrides or []), stop_at=(name, round))
+    if force:
+        plan.force.add((name, round))
+    rounds = max(round, 0)
+    ref = _tracked(plan, f"{plan.cfg.run.name}-{name}-round-{round}", rounds)
+    if ref is None or ref.stage != name:
+        raise ValueError(f"stage {name} did not run in round {round} (rounds run: {rounds})")
+    return ref.id
+
+
+if __name__ == "__main__":
+    flywheel_flow()

@@ -1,0 +1,75 @@
+"""Checkpoint artifacts: a Hugging Face folder (model + tokenizer) plus one descriptive row.
+
+    ref = write_checkpoint(writer, model, tokenizer, policy="sft", round=0, parent=init.id, ...)
+    model, tokenizer = load_policy(store, ref)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from data_contracts.checkpoints import REQUIRED_FILES
+from flywheel.store import ArtifactError, ArtifactRef, ArtifactWriter, Store
+
+
+def write_checkpoint(
+    writer: ArtifactWriter,
+    model: Any,
+    tokenizer: Any,
+    *,
+    policy: str,
+    round: int,
+    parent: str,
+    base: str,
+    train_steps: int = 0,
+    final_loss: float = math.nan,
+    summary: dict[str, Any] | None = None,
+    save_model: bool = True,
+) -> ArtifactRef:
+    """Save model and tokenizer into the writer's folder and commit the artifact.
+
+    ``save_model=False`` when the training loop already wrote the model files there."""
+    out = writer.local_dir()
+    if save_model:
+        model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    row = {
+        "policy": policy,
+        "round": round,
+        "parent": parent,
+        "base": base,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "train_steps": train_steps,
+        "final_loss": float(final_loss),
+    }
+    writer.write_shard(0, [row])
+    info = {"policy": policy, "base": base, "num_params": row["num_params"], "train_steps": train_steps}
+    if not math.isnan(row["final_loss"]):
+        info["final_loss"] = row["final_loss"]
+    return writer.commit(summary={**info, **(summary or {})}, extra={"policy": policy})
+
+
+def checkpoint_dir(store: Store, ref: ArtifactRef) -> Path:
+    if ref.kind != "checkpoints":
+        raise ArtifactError(f"artifact {ref.id} is a {ref.kind} artifact, not a checkpoint")
+    folder = store.local_path(ref)
+    for name in REQUIRED_FILES:
+        if not (folder / name).exists():
+            raise ArtifactError(f"checkpoint {ref.id} at {folder} lacks {name}")
+    return folder
+
+
+def load_policy(store: Store, ref: ArtifactRef) -> tuple[Any, Any]:
+    """Model (float32, eval mode, CPU) and tokenizer of a checkpoint artifact."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = checkpoint_dir(store, ref)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+    except (OSError, ValueError) as err:
+        raise ArtifactError(f"checkpoint {ref.id} at {folder} cannot be loaded: {str(err).splitlines()[0]}") from None
+    model.eval()
+    return model, tokenizer

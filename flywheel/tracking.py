@@ -1,0 +1,133 @@
+"""MLflow tracking: one run per flywheel run, a nested run per round, a nested run per stage.
+
+Stage runs get params = the stage's resolved config, metrics = the artifact's summary (the same
+names every round, so the UI compares rounds), tags = artifact ids, and the manifest (plus any
+plots the stage left in its folder) as artifacts. Training curves come from the checkpoint's
+``train_log.jsonl``. The client API with explicit parent ids is used rather than MLflow's
+thread-local "active run", because Prefect may run stages on worker threads.
+
+The default store is a SQLite file in the work folder; ``make ui`` opens the UI on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from flywheel.store import ArtifactRef, Store
+
+TRAIN_LOG = "train_log.jsonl"
+
+
+class Tracker:
+    """Thin wrapper over ``MlflowClient``; every method is a no-op when tracking is off."""
+
+    def __init__(self, uri: str | None, experiment: str, enabled: bool = True):
+        self.enabled = enabled and uri is not None
+        self.client = None
+        if not self.enabled:
+            return
+        os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        from mlflow.tracking import MlflowClient
+
+        if uri.startswith("sqlite:///"):
+            Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+
+    def start(self, name: str, parent: str | None = None, tags: dict[str, str] | None = None) -> str | None:
+        if not self.enabled:
+            return None
+        all_tags = dict(tags or {})
+        if parent:
+            all_tags["mlflow.parentRunId"] = parent
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        return run.info.run_id
+
+    def end(self, run_id: str | None, status: str = "FINISHED") -> None:
+        if self.enabled and run_id:
+            self.client.set_terminated(run_id, status=status)
+
+    def log_params(self, run_id: str | None, params: dict[str, Any]) -> None:
+        if not (self.enabled and run_id):
+            return
+        from mlflow.entities import Param
+
+        flat = _flatten(params)
+        items = [Param(k[:250], str(v)[:6000]) for k, v in flat.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i : i + 100])
+
+    def log_metrics(self, run_id: str | None, metrics: dict[str, Any], step: int = 0) -> None:
+        if not (self.enabled and run_id):
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [
+            Metric(k, float(v), now, step)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[i : i + 500])
+
+    def log_stage(self, parent: str | None, store: Store, ref: ArtifactRef, cached: bool) -> None:
+        """A nested run for one stage's artifact."""
+        if not self.enabled:
+            return
+        run_id = self.start(
+            ref.stage,
+            parent,
+            tags={"artifact_id": ref.id, "inputs": ",".join(ref.inputs), "cached": str(cached).lower(),
+                  "round": str(ref.round), "kind": ref.kind},
+        )
+        self.log_params(run_id, ref.manifest.get("config", {}))
+        self.log_metrics(run_id, ref.summary, step=ref.round)
+        folder = store.local_path(ref) if ref.kind == "checkpoints" or store.local else None
+        if folder is not None and (folder / TRAIN_LOG).exists():
+            self._log_curve(run_id, folder / TRAIN_LOG)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "manifest.json"
+            path.write_text(json.dumps(ref.manifest, indent=2, default=str))
+            self.client.log_artifact(run_id, str(path))
+        if folder is not None:
+            for png in sorted(folder.glob("*.png")):
+                self.client.log_artifact(run_id, str(png))
+        self.end(run_id)
+
+    def _log_curve(self, run_id: str | None, path: Path) -> None:
+        from mlflow.entities import Metric
+
+        items = []
+        now = int(time.time() * 1000)
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            step = int(entry.get("step", 0))
+            for key in ("loss", "lr", "grad_norm", "reward_acc", "clip_frac"):
+                if isinstance(entry.get(key), (int, float)):
+                    items.append(Metric(f"train/{key}", float(entry[key]), now, step))
+        for i in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[i : i + 500])
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+        out = {}
+        for i, v in enumerate(data):
+            key = v.get("name", str(i)) if isinstance(v, dict) else str(i)
+            out.update(_flatten(v, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}

@@ -1,0 +1,72 @@
+"""Stage ``evaluate``: a checkpoint on the held-out test tasks of every env, greedy by default;
+writes one eval row per episode and the metrics of ALGORITHMS.md per env in the summary.
+
+    flywheel stage evaluate --round 1
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from flywheel.agent import run_episodes
+from flywheel.checkpoint import load_policy
+from flywheel.config import Config
+from flywheel.engines.base import SamplingParams
+from flywheel.engines.hf import HFEngine
+from flywheel.envs import make_suite
+from flywheel.metrics import flatten, summarize
+from flywheel.store import ArtifactRef, Store
+from stages._common import load_tasks, run_in_shards
+
+EVAL_KEYS = ("task_id", "env", "success", "reward", "steps", "tool_calls", "tool_errors", "tool_ok", "tokens", "finish_reason", "messages")
+
+
+def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, round: int, force: bool = False) -> ArtifactRef:
+    w = store.writer(
+        "eval",
+        stage="evaluate",
+        round=round,
+        config={**cfg.stage_inputs("evaluate"), "policy_stage": policy.stage},
+        inputs=[policy.id, tasks.id],
+        force=force,
+    )
+    if w.cached:
+        return w.ref
+    ev = cfg.evaluate
+    model, tokenizer = load_policy(store, policy)
+    engine = HFEngine(model, tokenizer, batch_size=cfg.engine.batch_size)
+    max_steps = {e.name: e.max_steps for e in cfg.envs}
+    tasks_by_env = [
+        (make_suite(e), load_tasks(store, tasks, env=e.name, split="test", limit=ev.n_tasks)) for e in cfg.envs
+    ]
+
+    def rollout(suite, chunk, shard):
+        sampling = SamplingParams(temperature=ev.temperature, max_new_tokens=cfg.engine.max_new_tokens, seed=shard)
+        episodes = run_episodes(
+            engine,
+            suite,
+            chunk,
+            samples_per_task=1,
+            sampling=sampling,
+            max_steps=max_steps[suite.name],
+            seed=shard,
+            env_workers=cfg.engine.env_workers,
+        )
+        difficulty = {t.task_id: t.difficulty for t in chunk}
+        return [
+            {
+                **{k: ep[k] for k in EVAL_KEYS},
+                "difficulty": difficulty[ep["task_id"]],
+                "policy": policy.id,
+                "policy_stage": policy.stage,
+                "round": round,
+            }
+            for ep in episodes
+        ]
+
+    run_in_shards(w, tasks_by_env, shard_size=ev.shard_size, samples_per_task=1, rollout=rollout, label="evaluate")
+    frame = pl.from_arrow(w.read_shards().drop("messages"))
+    summary = flatten(summarize(frame))
+    for (env, level), group in frame.group_by(["env", "difficulty"]):
+        summary[f"{env}/success_rate_d{level}"] = float(group["success"].mean())
+    return w.commit(summary=summary, extra={"policy": policy.id, "policy_stage": policy.stage})

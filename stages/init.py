@@ -1,0 +1,62 @@
+"""Stage ``init``: the starting checkpoint pi_init.
+
+With ``model.base`` null it builds the embedded policy: a word-level tokenizer trained on the
+expert trajectories' text and a randomly initialised tiny Llama-architecture model, all local.
+With ``model.base`` a local Hugging Face folder it loads that model and tokenizer as they are.
+
+    flywheel stage init --round 0
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from flywheel.checkpoint import write_checkpoint
+from flywheel.config import Config
+from flywheel.store import ArtifactRef, Store
+
+
+def run(cfg: Config, store: Store, expert: ArtifactRef, *, force: bool = False) -> ArtifactRef:
+    base = cfg.model.base
+    inputs = [] if base else [expert.id]
+    w = store.writer("checkpoints", stage="init", round=0, config=cfg.stage_inputs("init"), inputs=inputs, force=force)
+    if w.cached:
+        return w.ref
+    if base:
+        model, tokenizer = _load_base(base)
+    else:
+        from flywheel.model import build_tiny_model, train_tokenizer
+
+        messages = store.read(expert, columns=["messages"]).column("messages")
+        texts = pc.list_flatten(messages).field("content").to_pylist()
+        tokenizer = train_tokenizer(texts)
+        tiny = cfg.model.tiny
+        model = build_tiny_model(
+            tokenizer,
+            hidden_size=tiny.hidden_size,
+            num_layers=tiny.num_layers,
+            num_heads=tiny.num_heads,
+            intermediate_size=tiny.intermediate_size,
+            max_position_embeddings=tiny.max_position_embeddings,
+            seed=cfg.run.seed,
+        )
+    ref = write_checkpoint(
+        w, model, tokenizer, policy="init", round=0, parent="", base=base or "embedded",
+        summary={"vocab_size": len(tokenizer)},
+    )
+    print(f"init: {ref.summary['num_params']:,} parameters, vocabulary {len(tokenizer):,} ({base or 'embedded'})")
+    return ref
+
+
+def _load_base(base: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(base)
+    if not (folder / "config.json").exists():
+        raise ValueError(f"model.base {base!r} is not a local Hugging Face model folder (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"model.base {base!r}: the tokenizer has no chat template")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype="float32"), tokenizer

@@ -2,11 +2,11 @@
 column table in its docstring. ``CONTRACTS`` maps a kind name to its contract; the store
 validates every read and write against it."""
 
-from data_contracts import checkpoints, eval, tasks, trajectories
+from data_contracts import checkpoints, eval, groups, pairs, tasks, trajectories
 from data_contracts._base import Contract, SchemaError, table_from_rows, validate_table
 
 CONTRACTS: dict[str, Contract] = {
-    m.CONTRACT.kind: m.CONTRACT for m in (tasks, trajectories, checkpoints, eval)
+    m.CONTRACT.kind: m.CONTRACT for m in (tasks, trajectories, checkpoints, eval, pairs, groups)
 }
 
 __all__ = ["CONTRACTS", "Contract", "SchemaError", "table_from_rows", "validate_table"]

@@ -16,6 +16,7 @@ or, with ``make serve``, as deployments: ``prefect deployment run 'flywheel/defa
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 from prefect import flow, task
@@ -76,9 +77,11 @@ def run_stage(name: str, round: int, plan: Plan, *inputs: ArtifactRef, **kwargs)
 def _step(plan: Plan, name: str, round: int, *inputs: ArtifactRef, last: bool = True, **kwargs) -> ArtifactRef:
     """Run one stage; ``last=False`` marks a stage that runs again later in the same round
     (round 0 evaluates pi_init, then the SFT policy), so ``stage`` stops at the later one."""
+    t0 = time.perf_counter()
     ref = run_stage.with_options(retries=RETRIES.get(name, 0))(name, round, plan, *inputs, **kwargs)
     cached = ref.id not in plan.store.committed
-    print(f"[round {round}] {name:<9} {'cache hit' if cached else 'done     '}  {ref.id}  {_headline(ref)}", flush=True)
+    took = "cache hit" if cached else f"{time.perf_counter() - t0:7.1f}s"
+    print(f"[round {round}] {name:<9} {took:>9}  {ref.id:<22} {_headline(ref)}", flush=True)
     plan.tracker.log_stage(plan.parent_run, plan.store, ref, cached)
     if name == "evaluate":
         plan.evaluations.append(ref.id)

@@ -27,10 +27,12 @@ def write_checkpoint(
     final_loss: float = math.nan,
     summary: dict[str, Any] | None = None,
     save_model: bool = True,
+    num_params: int | None = None,
 ) -> ArtifactRef:
     """Save model and tokenizer into the writer's folder and commit the artifact.
 
-    ``save_model=False`` when the training loop already wrote the model files there."""
+    ``save_model=False`` when the training loop already wrote the model files there; pass
+    ``num_params`` then too, since ZeRO-3 leaves the in-memory model partitioned."""
     out = writer.local_dir()
     if save_model:
         model.save_pretrained(out)
@@ -40,7 +42,7 @@ def write_checkpoint(
         "round": round,
         "parent": parent,
         "base": base,
-        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_params": num_params if num_params is not None else sum(p.numel() for p in model.parameters()),
         "train_steps": train_steps,
         "final_loss": float(final_loss),
     }

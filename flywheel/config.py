@@ -43,7 +43,6 @@ class TinyModelConfig(Section):
     num_heads: int = Field(4, description="Attention heads of the embedded policy.")
     intermediate_size: int = Field(384, description="MLP width of the embedded policy.")
     max_position_embeddings: int = Field(1024, description="Longest sequence the embedded policy accepts.")
-    tokenizer_tasks: int = Field(4000, ge=1, description="Expert episodes per env whose text trains the word-level tokenizer.")
 
 
 class ModelConfig(Section):
@@ -68,7 +67,7 @@ class EngineConfig(Section):
 
 
 class TrainSection(Section):
-    epochs: float = Field(3.0, gt=0, description="Passes over the training examples.")
+    epochs: int = Field(3, ge=1, description="Passes over the training examples.")
     lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
     warmup_ratio: float = Field(0.03, ge=0, le=1, description="Share of steps spent warming up the learning rate.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward pass per rank.")
@@ -77,7 +76,7 @@ class TrainSection(Section):
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
-    checkpoint_every: int = Field(0, ge=0, description="Save resumable training state every N steps (0: only at the end).")
+    checkpoint_every: int = Field(0, ge=0, description="Save resumable training state (optimizer, data position) every N steps; 0 = none.")
     max_steps: int | None = Field(None, description="Stop after this many optimizer steps (null: run all epochs).")
 
 
@@ -254,4 +253,7 @@ def field_help(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows.extend(field_help(ann, key + "."))
+        for arg in getattr(ann, "__args__", ()):  # list[EnvConfig] -> envs.<name>.<field>
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                rows.extend(field_help(arg, key + ".<name>."))
     return rows

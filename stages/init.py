@@ -30,7 +30,7 @@ def run(cfg: Config, store: Store, expert: ArtifactRef, *, force: bool = False) 
         from flywheel.model import build_tiny_model, train_tokenizer
 
         messages = store.read(expert, columns=["messages"]).column("messages")
-        texts = pc.list_flatten(messages).field("content").to_pylist()
+        texts = pc.struct_field(pc.list_flatten(messages), "content").to_pylist()
         tokenizer = train_tokenizer(texts)
         tiny = cfg.model.tiny
         model = build_tiny_model(

@@ -10,7 +10,6 @@ assistant turns with ``loss=true`` are trained; sampled turns are trained on the
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -74,13 +73,13 @@ def run(
     if not examples:
         raise ValueError(f"sft round {round}: no trajectories to train on in {[d.id for d in data]}")
     out = w.local_dir()
+    num_params = sum(p.numel() for p in model.parameters())
     print(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
     result = train(model, examples, loss="sft", cfg=train_config(cfg.sft, cfg.run.seed), out_dir=out, log=log)
-    shutil.rmtree(out / "_train_state", ignore_errors=True)  # resumable state is not part of the artifact
     write_train_log(out, result.history)
     return write_checkpoint(
         w, model, tokenizer, policy="sft", round=round, parent=policy.id,
         base=policy.summary.get("base", ""), train_steps=result.steps,
         final_loss=result.final_loss, summary={"examples": len(examples), "train_time_s": result.train_time_s},
-        save_model=False,
+        save_model=False, num_params=num_params,
     )

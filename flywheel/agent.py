@@ -1,0 +1,250 @@
+"""The batched agent loop: run many episodes of an environment suite at once with one engine.
+
+Every step gathers the chats of all live episodes into ONE ``engine.generate`` call, then steps
+their environments in a thread pool (env steps may run sandboxed subprocesses or call a server),
+and retires the episodes that ended. Episodes follow the AgentGym convention: the suite's
+instruction, the assistant's ``Ok.``, then the env's first observation. Each episode becomes one
+trajectory row (DESIGN.md, "The central contract"), with the generated token ids and log-probs
+of every assistant turn the policy produced.
+
+    rows = run_episodes(engine, suite, tasks, samples_per_task=4,
+                        sampling=SamplingParams(temperature=1.0, max_new_tokens=64), max_steps=6)
+    rows = expert_episodes(suite, tasks)   # the oracle's turns replayed through real envs
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from flywheel.chat import align_turn_ids
+from flywheel.engines.base import Chat, Engine, SamplingParams
+from flywheel.envs.base import Env, EnvSuite, Task
+
+ACK = "Ok."
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any parts (Python's ``hash`` of a str changes per process)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+@dataclass
+class _Turn:
+    text: str
+    token_ids: list[int] | None = None  # None for turns the policy did not generate (expert)
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class _Episode:
+    task: Task
+    sample_idx: int
+    seed: int
+    messages: list[dict] = field(default_factory=list)
+    env: Env | None = None
+    script: list[str] = field(default_factory=list)  # expert turns still to play
+    turn_token_ids: list[list[int]] = field(default_factory=list)
+    turn_logprobs: list[list[float]] = field(default_factory=list)
+    reward: float = 0.0
+    success: bool = False
+    steps: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_ok: int = 0
+    invalid_actions: int = 0
+    finish_reason: str | None = None
+
+    def chat(self) -> Chat:
+        messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        return Chat(messages=messages, turn_token_ids=align_turn_ids(messages, self.turn_token_ids))
+
+    def say(self, role: str, content: str, loss: bool = False) -> None:
+        self.messages.append({"role": role, "content": content, "loss": loss})
+
+    def row(self, env_name: str) -> dict:
+        return {
+            "task_id": self.task.task_id,
+            "env": env_name,
+            "split": self.task.split,
+            "sample_idx": self.sample_idx,
+            "messages": self.messages,
+            "reward": float(self.reward),
+            "success": bool(self.success),
+            "steps": self.steps,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "tool_ok": self.tool_ok,
+            "invalid_actions": self.invalid_actions,
+            "tokens": sum(len(t) for t in self.turn_token_ids),
+            "finish_reason": self.finish_reason,
+            "seed": self.seed,
+            "turn_token_ids": self.turn_token_ids,
+            "turn_logprobs": self.turn_logprobs,
+        }
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _drive(
+    suite: EnvSuite,
+    episodes: list[_Episode],
+    act: Callable[[list[_Episode], int], list[_Turn | None]],
+    *,
+    max_steps: int | None,
+    env_workers: int,
+    progress: Callable[[int, int], None] | None,
+    expert: bool = False,
+) -> list[dict]:
+    """Start every episode, then alternate ``act`` (one batch for all live episodes) and env steps
+    until each episode is done, fails, runs out of steps, or ``act`` has no turn for it."""
+    total, finished = len(episodes), 0
+
+    def retire(ep: _Episode, reason: str) -> None:
+        nonlocal finished
+        ep.finish_reason = reason
+        finished += 1
+        if progress is not None:
+            progress(finished, total)
+
+    def start(ep: _Episode) -> BaseException | None:
+        try:
+            ep.env = suite.make()
+            if expert:
+                ep.script = list(suite.expert(ep.task))
+            ep.say("user", ep.env.reset(ep.task))
+        except Exception as exc:  # one broken episode must not stop the others
+            return exc
+        return None
+
+    def step(ep: _Episode, action: str) -> tuple[str, float, bool, dict] | BaseException:
+        try:
+            return ep.env.step(action)  # type: ignore[union-attr]
+        except Exception as exc:
+            return exc
+
+    def close(ep: _Episode) -> None:
+        if ep.env is not None:
+            # Best effort: the episode's row is complete, and the other envs must still close.
+            with contextlib.suppress(Exception):
+                ep.env.close()
+
+    with ThreadPoolExecutor(max_workers=max(1, env_workers)) as pool:
+        try:
+            for ep in episodes:
+                ep.say("user", suite.instruction)
+                ep.say("assistant", ACK)
+            live = []
+            for ep, failure in zip(episodes, pool.map(start, episodes), strict=True):
+                if failure is None:
+                    live.append(ep)
+                else:
+                    ep.say("user", _error_text(failure))
+                    retire(ep, "error")
+
+            step_idx = 0
+            while live and (max_steps is None or step_idx < max_steps):
+                acting = []
+                for ep, turn in zip(live, act(live, step_idx), strict=True):
+                    if turn is None:
+                        retire(ep, "max_steps")  # nothing left to play (an expert's script ran out)
+                        continue
+                    ep.say("assistant", turn.text, loss=True)
+                    if turn.token_ids is not None:
+                        ep.turn_token_ids.append(list(turn.token_ids))
+                        ep.turn_logprobs.append(list(turn.logprobs or []))
+                    acting.append((ep, turn.text))
+
+                outcomes = list(pool.map(lambda pair: step(*pair), acting))
+                live = []
+                for (ep, _), outcome in zip(acting, outcomes, strict=True):
+                    ep.steps += 1
+                    if isinstance(outcome, BaseException):
+                        ep.say("user", _error_text(outcome))
+                        retire(ep, "error")
+                        continue
+                    observation, reward, done, info = outcome
+                    info = info or {}
+                    ep.tool_calls += bool(info.get("tool_call"))
+                    ep.tool_errors += bool(info.get("tool_error"))
+                    ep.tool_ok += bool(info.get("tool_ok"))
+                    ep.invalid_actions += bool(info.get("invalid"))
+                    if done:
+                        ep.reward = float(reward)
+                        ep.success = bool(info.get("success", False))
+                        retire(ep, "done")
+                    else:
+                        ep.say("user", observation)
+                        live.append(ep)
+                step_idx += 1
+            for ep in live:
+                retire(ep, "max_steps")
+        finally:
+            list(pool.map(close, episodes))
+    return [ep.row(suite.name) for ep in episodes]
+
+
+def run_episodes(
+    engine: Engine,
+    suite: EnvSuite,
+    tasks: list[Task],
+    *,
+    samples_per_task: int = 1,
+    sampling: SamplingParams,
+    max_steps: int,
+    seed: int = 0,
+    env_workers: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    """Run ``samples_per_task`` episodes of every task with the policy behind ``engine``; one
+    trajectory row per episode, in task order then sample order. Deterministic for a given
+    ``seed`` when the engine is (each step's sampling seed is derived from it)."""
+    episodes = [
+        _Episode(task=task, sample_idx=k, seed=derive_seed(seed, task.task_id, k))
+        for task in tasks
+        for k in range(samples_per_task)
+    ]
+
+    def act(live: list[_Episode], step_idx: int) -> list[_Turn | None]:
+        params = replace(sampling, seed=derive_seed(seed, sampling.seed, "step", step_idx))
+        generations = engine.generate([ep.chat() for ep in live], params)
+        return [_Turn(g.text, g.token_ids, g.logprobs) for g in generations]
+
+    return _drive(
+        suite, episodes, act, max_steps=max_steps, env_workers=env_workers, progress=progress
+    )
+
+
+def expert_episodes(
+    suite: EnvSuite,
+    tasks: list[Task],
+    *,
+    env_workers: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    """Replay ``suite.expert(task)`` through real envs: rows shaped like ``run_episodes``'s, with
+    no token ids or log-probs. An episode whose script ends before the env says done finishes
+    as ``max_steps``."""
+    episodes = [
+        _Episode(task=task, sample_idx=0, seed=derive_seed(0, task.task_id, 0)) for task in tasks
+    ]
+
+    def act(live: list[_Episode], step_idx: int) -> list[_Turn | None]:
+        return [_Turn(ep.script[step_idx]) if step_idx < len(ep.script) else None for ep in live]
+
+    return _drive(
+        suite,
+        episodes,
+        act,
+        max_steps=None,
+        env_workers=env_workers,
+        progress=progress,
+        expert=True,
+    )

@@ -1,0 +1,61 @@
+from pathlib import Path
+
+import pytest
+
+from flywheel.config import Config, ConfigError, field_help, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_yaml_config_validates(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_defaults_without_file():
+    cfg = load_config(None)
+    assert cfg.envs[0].name == "arith" and cfg.run.rounds >= 0
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    cfg = load_config(ROOT / "configs" / "default.yaml", ["sft.lr=1e-3", "run.rounds=1", "envs.arith.n_test=50"])
+    assert cfg.sft.lr == 1e-3 and isinstance(cfg.sft.lr, float)
+    assert cfg.run.rounds == 1
+    assert cfg.envs[0].n_test == 50
+
+
+def test_unknown_key_names_its_path(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sft:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^config error: unknown key sft\.lrr$"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"unknown key explore\.k"):
+        load_config(None, ["explore.k=3"])
+
+
+def test_bad_values_and_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"sft\.lr"):
+        load_config(None, ["sft.lr=-1"])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        load_config(None, ["sft.lr"])
+    with pytest.raises(ConfigError, match="no entry named 'nope'"):
+        load_config(None, ["envs.nope.n_test=3"])
+
+
+def test_every_field_has_help():
+    missing = [key for key, text in field_help() if not text]
+    assert missing == []
+
+
+def test_stage_inputs_isolate_sections():
+    a, b = load_config(None), load_config(None, ["evaluate.temperature=0.5"])
+    assert a.stage_inputs("sft") == b.stage_inputs("sft")
+    assert a.stage_inputs("explore") == b.stage_inputs("explore")
+    assert a.stage_inputs("evaluate") != b.stage_inputs("evaluate")

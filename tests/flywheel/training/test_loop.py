@@ -1,0 +1,327 @@
+"""The training loop on DeepSpeed (CPU, gloo): losses move, parameters change, ZeRO stages, resume.
+
+Each test builds a tiny LlamaForCausalLM (hidden 32, 2 layers, vocab 64). The first DeepSpeed
+start in a session loads the shared-memory comm op; run `python -m flywheel.training.prebuild`
+once so it is not compiled here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flywheel.training import loop
+from flywheel.training.loop import TrainConfig, compute_ref_logps, deepspeed_config, train
+from flywheel.training.losses import token_logprobs
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def counting(n: int, seed: int = 0) -> list[dict]:
+    """Sequences that count up by one (mod 64) from a random start: easy to learn, so the loss falls.
+    The first 3 tokens are the 'prompt' (loss 0), the rest the trained 'assistant' part."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start, length = rng.randrange(64), rng.randrange(8, 20)
+        ids = [(start + t) % 64 for t in range(length)]
+        out.append({"input_ids": ids, "loss_mask": [0, 0, 0] + [1] * (length - 3)})
+    return out
+
+
+def params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().float() for p in model.parameters()])
+
+
+def saved_params(out_dir: Path) -> torch.Tensor:
+    return params(LlamaForCausalLM.from_pretrained(out_dir))
+
+
+CFG = dict(epochs=1, lr=1e-2, warmup_ratio=0.0, micro_batch_size=4, grad_accum=1, max_length=32)
+
+
+def test_sft_loss_falls_and_params_change(tmp_path: Path) -> None:
+    model = tiny_model()
+    before = params(model)
+    cfg = TrainConfig(**CFG | {"epochs": 4, "zero_stage": 2})
+    result = train(model, counting(16), loss="sft", cfg=cfg, out_dir=tmp_path)
+    losses = [r["loss"] for r in result.history]
+    assert result.steps == 16 and len(losses) == 16  # 16 examples / 4 per batch * 4 epochs
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-4:]) < sum(losses[:4]) - 0.5  # last epoch well below the first
+    assert not torch.allclose(before, saved_params(tmp_path))
+    assert torch.allclose(
+        params(model), saved_params(tmp_path)
+    )  # stage 2 trains the object in place
+    assert not (tmp_path / loop.STATE_DIR).exists()
+    assert all(r["tokens"] > 0 for r in result.history)
+
+
+def test_grad_accum_and_short_last_step(tmp_path: Path) -> None:
+    # 5 micro-batches per epoch with grad_accum 2: steps of 2, 2 and 1 micro-batches.
+    cfg = TrainConfig(
+        **CFG | {"epochs": 2, "grad_accum": 2, "micro_batch_size": 2, "zero_stage": 0}
+    )
+    result = train(tiny_model(), counting(10), loss="sft", cfg=cfg, out_dir=tmp_path)
+    assert result.steps == 6
+    assert [r["epoch"] for r in result.history] == [0, 0, 0, 1, 1, 1]
+
+
+def test_lr_warmup_then_cosine(tmp_path: Path) -> None:
+    cfg = TrainConfig(**CFG | {"warmup_ratio": 0.25, "zero_stage": 1, "lr": 1.0})
+    result = train(tiny_model(), counting(32), loss="sft", cfg=cfg, out_dir=tmp_path)
+    lrs = [r["lr"] for r in result.history]
+    # 8 steps, warmup ceil(0.25*8) = 2: (0+1)/3, (1+1)/3, then 0.5*(1+cos(pi*k/6)) for k = 0..5.
+    import math
+
+    expected = [1 / 3, 2 / 3] + [0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(6)]
+    assert lrs == pytest.approx(expected)
+
+
+def test_zero3_trains_and_saves_gathered_weights(tmp_path: Path) -> None:
+    model = tiny_model()
+    before = params(model)
+    cfg = TrainConfig(**CFG | {"epochs": 2, "zero_stage": 3})
+    result = train(model, counting(8), loss="sft", cfg=cfg, out_dir=tmp_path)
+    assert result.steps == 4 and all(
+        map(torch.isfinite, torch.tensor([r["loss"] for r in result.history]))
+    )
+    after = saved_params(tmp_path)
+    assert after.shape == before.shape and not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_templates_fill_auto_values(stage: int) -> None:
+    path = REPO / "configs" / "deepspeed" / f"zero{stage}.json"
+    cfg = TrainConfig(
+        micro_batch_size=3,
+        grad_accum=5,
+        grad_clip=0.5,
+        zero_stage=stage,
+        deepspeed_config=str(path),
+    )
+    filled = deepspeed_config(cfg, world_size=2, bf16=False)
+    assert "auto" not in json.dumps(filled)
+    assert filled["train_batch_size"] == 30 and filled["gradient_clipping"] == 0.5
+    assert filled["zero_optimization"]["stage"] == stage and filled["bf16"] == {"enabled": False}
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        deepspeed_config(
+            TrainConfig(zero_stage=1, deepspeed_config=str(path)), world_size=1, bf16=False
+        )
+
+
+def test_template_config_trains(tmp_path: Path) -> None:
+    path = REPO / "configs" / "deepspeed" / "zero2.json"
+    cfg = TrainConfig(**CFG | {"zero_stage": 2, "deepspeed_config": str(path), "max_steps": 2})
+    result = train(tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path)
+    assert result.steps == 2
+
+
+def pairs(n: int) -> list[dict]:
+    """DPO pairs sharing a counting prompt: chosen keeps counting, rejected repeats a token."""
+    out = []
+    for ex in counting(n, seed=1):
+        ids = ex["input_ids"]
+        rejected = ids[:4] + [ids[3]] * (len(ids) - 4)
+        mask = [0] * 4 + [1] * (len(ids) - 4)
+        out.append(
+            {
+                "chosen_ids": ids,
+                "chosen_mask": mask,
+                "rejected_ids": rejected,
+                "rejected_mask": mask,
+            }
+        )
+    return out
+
+
+def test_dpo_with_reference_model(tmp_path: Path) -> None:
+    model = tiny_model()
+    before = params(model)
+    cfg = TrainConfig(**CFG | {"epochs": 3, "zero_stage": 2, "beta": 0.5})
+    result = train(
+        model, pairs(8), loss="dpo", cfg=cfg, out_dir=tmp_path, ref_model=copy.deepcopy(model)
+    )
+    first = result.history[0]
+    # Policy == reference on the first step: margin 0, loss = -log sigmoid(0) = log 2.
+    assert first["loss"] == pytest.approx(0.693147, abs=1e-4)
+    assert first["chosen_reward"] == pytest.approx(0.0, abs=1e-5)
+    assert result.history[-1]["loss"] < first["loss"]
+    assert not torch.allclose(before, saved_params(tmp_path))
+
+
+def test_dpo_with_precomputed_reference(tmp_path: Path) -> None:
+    model = tiny_model()
+    examples = pairs(8)
+    chosen, rejected = compute_ref_logps(model, examples, batch_size=3, max_length=32)
+    assert len(chosen) == 8 and all(c < 0 for c in chosen)
+    examples = [
+        ex | {"ref_chosen_logp": c, "ref_rejected_logp": r}
+        for ex, c, r in zip(examples, chosen, rejected, strict=True)
+    ]
+    cfg = TrainConfig(**CFG | {"epochs": 2, "zero_stage": 2})
+    result = train(model, examples, loss="dpo", cfg=cfg, out_dir=tmp_path)
+    assert result.history[0]["loss"] == pytest.approx(0.693147, abs=1e-4)
+    assert all(torch.isfinite(torch.tensor([r["loss"] for r in result.history])))
+
+
+def test_missing_reference_is_a_clear_error(tmp_path: Path) -> None:
+    model, cfg = tiny_model(), TrainConfig(**CFG)
+    with pytest.raises(
+        ValueError, match="dpo needs ref_chosen_logp on the examples or a ref_model"
+    ):
+        train(model, pairs(2), loss="dpo", cfg=cfg, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="not the policy itself"):
+        train(model, pairs(2), loss="dpo", cfg=cfg, out_dir=tmp_path, ref_model=model)
+    grpo = [
+        ex | {"old_logprobs": [0.0] * len(ex["input_ids"]), "advantage": 1.0} for ex in counting(2)
+    ]
+    with pytest.raises(ValueError, match="grpo needs ref_logprobs"):
+        train(model, grpo, loss="grpo", cfg=TrainConfig(**CFG | {"kl_coef": 0.1}), out_dir=tmp_path)
+
+
+def rollouts(model: torch.nn.Module, n: int) -> list[dict]:
+    """GRPO examples whose behaviour log-probs come from `model` itself, so the first ratio is 1."""
+    out = []
+    for i, ex in enumerate(counting(n, seed=2)):
+        ids = torch.tensor([ex["input_ids"]])
+        with torch.no_grad():
+            lp = token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
+        old = [0.0] + [v if m else 0.0 for v, m in zip(lp, ex["loss_mask"][1:], strict=True)]
+        out.append(
+            ex | {"old_logprobs": old, "advantage": 1.0 if i % 2 else -1.0, "ref_logprobs": old}
+        )
+    return out
+
+
+def test_grpo_trains(tmp_path: Path) -> None:
+    model = tiny_model()
+    before = params(model)
+    cfg = TrainConfig(**CFG | {"epochs": 2, "zero_stage": 2, "kl_coef": 0.1, "lr": 1e-3})
+    result = train(model, rollouts(model, 8), loss="grpo", cfg=cfg, out_dir=tmp_path)
+    first = result.history[0]
+    assert first["ratio"] == pytest.approx(1.0, abs=1e-4) and first["kl"] == pytest.approx(
+        0.0, abs=1e-6
+    )
+    assert all(torch.isfinite(torch.tensor([r["loss"] for r in result.history])))
+    assert result.history[-1]["kl"] > 0  # the policy moved away from the reference
+    assert not torch.allclose(before, saved_params(tmp_path))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_matches_uninterrupted_run(tmp_path: Path, stage: int) -> None:
+    # 12 examples / 2 per batch = 6 batches, grad_accum 2 -> 3 steps per epoch, 2 epochs = 6 steps.
+    # Checkpoints after steps 2 and 4 (the second one crosses an epoch boundary mid-way).
+    cfg = TrainConfig(
+        **CFG
+        | {
+            "epochs": 2,
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "zero_stage": stage,
+            "checkpoint_every": 2,
+        }
+    )
+    examples = counting(12, seed=3)
+    straight = train(tiny_model(), examples, loss="sft", cfg=cfg, out_dir=tmp_path / "straight")
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_5(record: dict) -> None:
+        if record["step"] == 5:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(
+            tiny_model(),
+            examples,
+            loss="sft",
+            cfg=cfg,
+            out_dir=tmp_path / "resumed",
+            log=crash_at_5,
+        )
+    assert (tmp_path / "resumed" / loop.STATE_DIR / "latest").read_text().strip() == "step4"
+    resumed = train(tiny_model(seed=7), examples, loss="sft", cfg=cfg, out_dir=tmp_path / "resumed")
+    assert resumed.steps == 6 and len(resumed.history) == 6
+    assert [r["loss"] for r in resumed.history] == pytest.approx(
+        [r["loss"] for r in straight.history]
+    )
+    assert torch.allclose(saved_params(tmp_path / "straight"), saved_params(tmp_path / "resumed"))
+
+
+def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
+    cfg = TrainConfig(**CFG | {"checkpoint_every": 1, "zero_stage": 0})
+
+    def crash(record: dict) -> None:
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        train(tiny_model(), counting(8), loss="sft", cfg=cfg, out_dir=tmp_path, log=crash)
+    with pytest.raises(ValueError, match="different run"):
+        train(
+            tiny_model(),
+            counting(8),
+            loss="sft",
+            cfg=TrainConfig(**CFG | {"checkpoint_every": 1, "zero_stage": 0, "lr": 0.5}),
+            out_dir=tmp_path,
+        )
+
+
+TWO_RANK_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_loop import tiny_model, counting, params
+from flywheel.training.loop import TrainConfig, train
+model = tiny_model()
+cfg = TrainConfig(epochs=2, lr=1e-2, warmup_ratio=0.0, micro_batch_size=2, max_length=32, zero_stage=2)
+result = train(model, counting(9), loss="sft", cfg=cfg, out_dir={out!r})
+rank = torch.distributed.get_rank()
+torch.save({{"params": params(model), "steps": result.steps}}, {out!r} + f"/rank{{rank}}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_with_deepspeed_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANK_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out)))
+    launcher = Path(sys.executable).parent / "deepspeed"
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    run = subprocess.run(
+        [str(launcher), "--num_accelerators", "2", "--master_port", str(loop._free_port()), str(script)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    # 9 examples -> 5 batches, padded to 6 by wrapping; 3 per rank per epoch, 2 epochs.
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 6
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    assert torch.allclose(ranks[0]["params"], saved_params(out))
+    print(f"2-rank launcher run: {time.perf_counter() - start:.1f} s")

@@ -248,38 +248,44 @@ def select_groups(
 
 # -- ETO contrastive pairs ---------------------------------------------------------------------
 
-_SIDE = ("messages", "reward", "source", "sample_idx", "turn_token_ids")
+# What each side of a pair carries. Pairs are first chosen as (chosen row, rejected row) indices
+# into one table of explored and expert rows, sorted, and only then are the nested columns
+# (messages, token ids) gathered: once per side, never joined or sorted.
+_SIDE = ["policy", "messages", "reward", "source", "sample_idx", "turn_token_ids"]
 
 
-def _expert_pairs(explore: pl.DataFrame, expert: pl.DataFrame) -> pl.DataFrame:
-    """Every explored sample against its task's expert: the higher reward is chosen; ties none."""
-    gold = (
-        expert.select(
-            *GROUP, "messages", "source", "turn_token_ids", reward=pl.col("reward").fill_null(1.0)
+def _gold(expert: pl.DataFrame) -> pl.DataFrame:
+    """One expert row per task: the best reward (a missing one counts 1.0), then the shortest."""
+    return (
+        expert.with_columns(
+            reward=pl.col("reward").fill_null(1.0).cast(pl.Float64), sample_idx=pl.lit(-1, pl.Int32)
         )
-        # several expert rows for one task: keep the best reward, then the shortest
         .sort(
             [*GROUP, "reward", pl.col("messages").list.len()],
             descending=[False, False, True, False],
         )
         .group_by(GROUP, maintain_order=True)
         .first()
-        .with_columns(sample_idx=pl.lit(-1, pl.Int32))
     )
-    joined = explore.join(gold, on=GROUP, suffix="_gold").filter(
+
+
+def _expert_picks(explore: pl.DataFrame, gold: pl.DataFrame, offset: int) -> pl.DataFrame:
+    """Every explored sample against its task's expert: the higher reward is chosen; ties none."""
+    mine = explore.select(*GROUP, "reward").with_row_index("_row")
+    theirs = gold.select(*GROUP, "reward").with_row_index("_row", offset=offset)
+    joined = mine.join(theirs, on=GROUP, suffix="_gold").filter(
         pl.col("reward") != pl.col("reward_gold")
     )
     explored_wins = pl.col("reward") > pl.col("reward_gold")
-    sides = {}
-    for c in _SIDE:
-        sides[f"chosen_{c}"] = pl.when(explored_wins).then(pl.col(c)).otherwise(pl.col(f"{c}_gold"))
-        sides[f"rejected_{c}"] = (
-            pl.when(explored_wins).then(pl.col(f"{c}_gold")).otherwise(pl.col(c))
-        )
-    return joined.select(*GROUP, "policy", kind=pl.lit("expert"), **sides)
+    return joined.select(
+        *GROUP,
+        kind=pl.lit("expert"),
+        chosen=pl.when(explored_wins).then(pl.col("_row")).otherwise(pl.col("_row_gold")),
+        rejected=pl.when(explored_wins).then(pl.col("_row_gold")).otherwise(pl.col("_row")),
+    )
 
 
-def _best_worst_pairs(
+def _best_worst_picks(
     explore: pl.DataFrame, margin: float, prefer_pareto_rank: bool
 ) -> pl.DataFrame:
     """The best vs the worst sample of each task when their rewards differ by more than margin.
@@ -289,50 +295,63 @@ def _best_worst_pairs(
     rank = ["pareto_rank"] if prefer_pareto_rank else []
     keys = ["reward", *rank, "tokens", "sample_idx"]
     row = pl.col("_row")
-    picks = (
-        explore.group_by(GROUP)
+    return (
+        explore.with_row_index("_row")
+        .group_by(GROUP)
         .agg(
-            best=row.sort_by(keys, descending=[True, *[False] * len(rank), False, False]).first(),
-            worst=row.sort_by(keys, descending=[False, *[True] * len(rank), True, False]).first(),
+            chosen=row.sort_by(keys, descending=[True, *[False] * len(rank), False, False]).first(),
+            rejected=row.sort_by(
+                keys, descending=[False, *[True] * len(rank), True, False]
+            ).first(),
             gap=pl.col("reward").max() - pl.col("reward").min(),
         )
         .filter(pl.col("gap") > margin)
-        .sort(GROUP)
+        .select(*GROUP, kind=pl.lit("best_worst"), chosen="chosen", rejected="rejected")
     )
-    cols = ["policy", *_SIDE]
-    best = explore.select(*GROUP, *cols).select(pl.all().gather(picks["best"]))
-    worst = explore.select(pl.col(c).alias(f"rejected_{c}") for c in _SIDE).select(
-        pl.all().gather(picks["worst"])
-    )
-    best = best.rename({c: f"chosen_{c}" for c in _SIDE})
-    return pl.concat([best, worst], how="horizontal").with_columns(kind=pl.lit("best_worst"))
 
 
-def _cut(side: str, limit: pl.Expr) -> list[pl.Expr]:
-    """Cut ``<side>_messages`` after its last assistant turn before message ``limit``; the
-    continuation (after the prompt), its sampled turn ids, and whether it has an assistant turn.
+def _cut(pairs: pl.DataFrame, side: str, limit: pl.Expr) -> pl.DataFrame:
+    """Cut ``<side>_messages`` after its last assistant turn before message ``limit``: adds the
+    continuation after the prompt (``_<side>``), its sampled turn ids (``_<side>_ids``) and
+    whether it has an assistant turn at all (``_<side>_ok``).
 
     ``turn_token_ids`` belong to the last assistant messages (the generated ones), so a cut
-    keeps the ids of the generated turns among the kept assistant messages."""
+    keeps the ids of the generated turns among the kept assistant messages. Only native list
+    kernels (head, sum, reverse, arg_max, slice): no per-row expression evaluation."""
     msgs = pl.col(f"{side}_messages")
     ids = pl.col(f"{side}_turn_token_ids")
-    at = msgs.list.eval(pl.arg_where(pl.element().struct.field("role") == "assistant")).cast(
-        pl.List(pl.Int64)
+    is_assistant = msgs.list.eval((pl.element().struct.field("role") == "assistant").cast(pl.Int8))
+    marks = pairs.select(
+        head=is_assistant.list.head(limit),
+        total=is_assistant.list.sum().cast(pl.Int64),
+        in_prompt=is_assistant.list.head(PROMPT_MESSAGES).list.sum().cast(pl.Int64),
+        generated=ids.list.len().cast(pl.Int64),
     )
-    in_prompt = (at - PROMPT_MESSAGES).list.eval((pl.element() < 0).sum()).list.first()
-    # assistant turns before message `limit`
-    kept = (at - limit).list.eval((pl.element() < 0).sum()).list.first()
-    end = at.list.get(kept - 1, null_on_oob=True) + 1
-    first_generated = at.list.len().cast(pl.Int64) - ids.list.len().cast(pl.Int64)
-    start = pl.max_horizontal(first_generated, in_prompt) - first_generated
+    head = pl.col("head")
+    kept = head.list.sum().cast(pl.Int64)  # assistant turns before message `limit`
+    # one past the last assistant turn in the head (meaningless when kept == 0: dropped then)
+    end = head.list.len().cast(pl.Int64) - head.list.reverse().list.arg_max().cast(pl.Int64)
+    first_generated = pl.col("total") - pl.col("generated")
+    start = pl.max_horizontal(first_generated, pl.col("in_prompt")) - first_generated
     stop = pl.max_horizontal(kept - first_generated, pl.lit(0))
-    return [
-        msgs.list.slice(PROMPT_MESSAGES, pl.max_horizontal(end - PROMPT_MESSAGES, pl.lit(0))).alias(
-            f"_{side}"
-        ),
-        ids.list.slice(start, pl.max_horizontal(stop - start, pl.lit(0))).alias(f"_{side}_ids"),
-        (kept > in_prompt).alias(f"_{side}_ok"),
-    ]
+    cuts = marks.select(
+        _end=end,
+        _start=start,
+        _length=pl.max_horizontal(stop - start, pl.lit(0)),
+        _ok=kept > pl.col("in_prompt"),
+    )
+    end, start, length = pl.col("_end"), pl.col("_start"), pl.col("_length")
+    return (
+        pairs.hstack(cuts)
+        .with_columns(
+            msgs.list.slice(PROMPT_MESSAGES, pl.max_horizontal(end - PROMPT_MESSAGES, 0)).alias(
+                f"_{side}"
+            ),
+            ids.list.slice(start, length).alias(f"_{side}_ids"),
+            pl.col("_ok").alias(f"_{side}_ok"),
+        )
+        .drop(cuts.columns)
+    )
 
 
 def build_pairs(
@@ -353,43 +372,53 @@ def build_pairs(
     (ETO's len(expert) + 10 when the expert is chosen; the same rule for the other pairs). Both
     continuations are then cut back to end on an assistant turn; a pair where either side has
     no assistant turn after the prompt is dropped. The prompt is the chosen side's first three
-    messages (the same for both sides: instruction, ``Ok.``, first observation)."""
-    explore = explore.with_row_index("_row").with_columns(
-        pl.col("reward").fill_null(0.0).cast(pl.Float64)
-    )
+    messages (the same for both sides: instruction, ``Ok.``, first observation). ``policy`` is
+    the explored side's (the chosen one's when both are explored)."""
+    explore = explore.with_columns(pl.col("reward").fill_null(0.0).cast(pl.Float64))
     if prefer_pareto_rank and "pareto_rank" not in explore.columns:
         explore = explore.with_columns(
             pareto_rank=pl.Series(trajectory_ranks(explore), dtype=pl.Int32)
         )
-    parts = []
+    gold = _gold(expert)
+    n = len(explore)
+    # one chunk: polars gathers from a multi-chunk nested column several times slower
+    sides = pl.concat([explore.select(*GROUP, *_SIDE), gold.select(*GROUP, *_SIDE)], rechunk=True)
+    picks = []
     if expert_pairs:
-        parts.append(_expert_pairs(explore, expert))
-    if best_worst_pairs or not parts:  # an empty frame of the right columns when both are off
-        parts.append(
-            _best_worst_pairs(
+        picks.append(_expert_picks(explore, gold, offset=n))
+    if best_worst_pairs or not picks:  # an empty frame of the right columns when both are off
+        picks.append(
+            _best_worst_picks(
                 explore if best_worst_pairs else explore.clear(), margin, prefer_pareto_rank
             )
         )
-    order = [*GROUP, "kind", "chosen_sample_idx", "rejected_sample_idx"]
-    pairs = pl.concat([p.select(sorted(p.columns)) for p in parts]).sort(order)
-    limit = pl.col("chosen_messages").list.len().cast(pl.Int64) + cut_extra_messages
-    pairs = pairs.with_columns(
-        *_cut("chosen", pl.col("chosen_messages").list.len().cast(pl.Int64)),
-        *_cut("rejected", limit),
-    ).filter(pl.col("_chosen_ok") & pl.col("_rejected_ok"))
+    pairs = pl.concat([p.with_columns(pl.col("chosen", "rejected").cast(pl.Int64)) for p in picks])
+    sample = sides["sample_idx"]
+    pairs = pairs.sort(
+        [*GROUP, "kind", sample.gather(pairs["chosen"]), sample.gather(pairs["rejected"])]
+    )
+    gathered = [
+        sides.select(pl.col(c).gather(pairs[side]).alias(f"{side}_{c}") for c in _SIDE)
+        for side in ("chosen", "rejected")
+    ]
+    pairs = pl.concat([pairs, *gathered], how="horizontal")
+    whole = pl.col("chosen_messages").list.len().cast(pl.Int64)
+    pairs = _cut(pairs, "chosen", whole)
+    pairs = _cut(pairs, "rejected", whole + cut_extra_messages)
+    pairs = pairs.filter(pl.col("_chosen_ok") & pl.col("_rejected_ok"))
     return pairs.select(
         *GROUP,
-        "policy",
-        "kind",
+        policy=pl.when(pl.col("chosen") < n).then("chosen_policy").otherwise("rejected_policy"),
+        kind="kind",
         prompt=pl.col("chosen_messages").list.head(PROMPT_MESSAGES),
-        chosen=pl.col("_chosen"),
-        rejected=pl.col("_rejected"),
-        chosen_reward=pl.col("chosen_reward"),
-        rejected_reward=pl.col("rejected_reward"),
-        chosen_source=pl.col("chosen_source"),
-        rejected_source=pl.col("rejected_source"),
+        chosen="_chosen",
+        rejected="_rejected",
+        chosen_reward="chosen_reward",
+        rejected_reward="rejected_reward",
+        chosen_source="chosen_source",
+        rejected_source="rejected_source",
         chosen_sample_idx=pl.col("chosen_sample_idx").cast(pl.Int32),
         rejected_sample_idx=pl.col("rejected_sample_idx").cast(pl.Int32),
-        chosen_turn_token_ids=pl.col("_chosen_ids"),
-        rejected_turn_token_ids=pl.col("_rejected_ids"),
+        chosen_turn_token_ids="_chosen_ids",
+        rejected_turn_token_ids="_rejected_ids",
     )

@@ -9,8 +9,10 @@ Two artifacts, one stage: both live under ``round-<r>/pareto/`` with ids ``paret
 module, config section, task and folder keep the one name ``pareto``. Each writer hashes the
 artifact's kind and only the config fields that shape it (``PAIR_FIELDS`` / ``GROUP_FIELDS``):
 the ids always differ, and changing the group budget leaves the pairs (and the dpo run that
-reads them) a cache hit. The groups artifact also holds ``groups.png``: every group's (x1, x2), the selection
-highlighted (the tracker logs PNGs it finds in an artifact folder).
+reads them) a cache hit. The groups artifact also holds ``groups.png``: every group's (x1, x2),
+the post-filter, the selection and front 1 (the tracker logs PNGs it finds in an artifact
+folder). Summary metrics: pairs, pairs_per_task, pairs by kind, mean_reward_gap; groups,
+groups_eligible, groups_selected, trajectories_selected, front_1..front_3, fronts.
 """
 
 from __future__ import annotations
@@ -235,23 +237,34 @@ def _plot(groups: pl.DataFrame, path: Path) -> None:
     styles = {"filtered out": "#bbbbbb", "eligible, not selected": "#4c72b0", "selected": "#dd4444"}
     for label, color in styles.items():
         part = points.filter(pl.col("kind") == label)
-        if part.is_empty():
-            continue
-        size = 12 + 8 * np.sqrt(part["len"].to_numpy())
-        ring = np.where(part["first"].fill_null(False).to_numpy(), "black", "none")
+        if not part.is_empty():
+            ax.scatter(
+                part["x1"],
+                part["x2"],
+                s=_size(part["len"]),
+                c=color,
+                alpha=0.75,
+                linewidths=0,
+                label=f"{label} ({int(part['len'].sum())})",
+            )
+    first = points.filter(pl.col("first").fill_null(False))
+    if not first.is_empty():
         ax.scatter(
-            part["x1"],
-            part["x2"],
-            s=size,
-            c=color,
-            edgecolors=ring,
+            first["x1"],
+            first["x2"],
+            s=_size(first["len"]) * 2.5,
+            facecolors="none",
+            edgecolors="black",
             linewidths=1.2,
-            alpha=0.75,
-            label=f"{label} ({int(part['len'].sum())})",
+            label=f"Pareto front 1 ({int(first['len'].sum())})",
         )
     ax.set_xlabel("x1 = variance of tool calls in the group")
     ax.set_ylabel("x2 = variance of success in the group")
-    ax.set_title("GRPO groups (black ring: Pareto front 1)")
+    ax.set_title("GRPO groups: the post-filter, the fronts and the selection")
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _size(counts: pl.Series) -> np.ndarray:
+    return 12 + 8 * np.sqrt(counts.to_numpy())

@@ -1,0 +1,355 @@
+"""stages.dpo and stages.grpo on a tiny real policy in a tmp store.
+
+DPO trains on hand-made pairs; GRPO on groups really sampled from the policy with the HF engine on
+a fake env, so the stored ids and behaviour log-probs are the policy's own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import polars as pl
+import pytest
+import torch
+from pydantic import Field
+
+from data_contracts import groups as groups_contract
+from data_contracts import pairs as pairs_contract
+from flywheel.agent import run_episodes
+from flywheel.chat import encode_chat
+from flywheel.checkpoint import checkpoint_dir, load_policy, write_checkpoint
+from flywheel.config import Config
+from flywheel.engines.base import SamplingParams
+from flywheel.engines.hf import HFEngine
+from flywheel.envs.base import Task
+from flywheel.model import build_tiny_model, train_tokenizer
+from flywheel.store import Store
+from flywheel.training.losses import efficiency_reward, group_advantages, sequence_logprob
+from stages import dpo, grpo
+from stages.dpo import DpoConfig
+from stages.grpo import GrpoConfig
+
+CORPUS = [
+    "Solve the task. Call <python>print(1 + 2)</python> to run code, then reply <answer>3</answer>.",
+    "What is 37 + 12? Tom has 5 apples and buys 7 more.",
+    "<python>print(37 + 12)</python> <answer>49</answer> Ok. Invalid action 49 12",
+]
+TRAIN = dict(micro_batch_size=8, max_length=256, warmup_ratio=0.0)
+
+
+class Cfg(Config):
+    # DpoConfig and GrpoConfig live in their stages until Config grows the sections.
+    dpo: DpoConfig = Field(default_factory=DpoConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A store holding a tiny random policy as an ``init`` checkpoint."""
+    store = Store(str(tmp_path_factory.mktemp("store")), run="test")
+    tokenizer = train_tokenizer(CORPUS)
+    model = build_tiny_model(
+        tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
+    )
+    w = store.writer("checkpoints", stage="init", round=0, config={}, inputs=[])
+    policy = write_checkpoint(
+        w, model, tokenizer, policy="init", round=0, parent="", base="embedded"
+    )
+    return store, tokenizer, policy
+
+
+def params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def msg(role: str, content: str, loss: bool = False) -> dict:
+    return {"role": role, "content": content, "loss": loss}
+
+
+def train_log(store: Store, ref) -> list[dict]:
+    return [
+        json.loads(x) for x in (checkpoint_dir(store, ref) / dpo.TRAIN_LOG).read_text().splitlines()
+    ]
+
+
+# -- DPO --------------------------------------------------------------------------------------
+
+PROMPT = [msg("user", "Solve the task."), msg("assistant", "Ok."), msg("user", "What is 37 + 12?")]
+EXPERT = [
+    msg("assistant", "<python>print(37 + 12)</python>", True),
+    msg("user", "49"),
+    msg("assistant", "<answer>49</answer>", True),
+]
+SAMPLED = [msg("assistant", "<answer>12</answer>", True)]
+
+
+def sampled_ids(tokenizer) -> list[list[int]]:
+    # "12" as two one-digit pieces: encoding the text would give the one piece "12", so the
+    # example shows whether the stored ids were used.
+    piece = tokenizer.convert_tokens_to_ids
+    return [[piece("<answer>"), piece("1"), piece("2"), piece("</answer>"), tokenizer.eos_token_id]]
+
+
+def pair_row(tokenizer, task: str, expert_wins: bool) -> dict:
+    expert = dict(side=EXPERT, source="expert", idx=-1, ids=[], reward=1.0)
+    explored = dict(side=SAMPLED, source="explore", idx=0, ids=sampled_ids(tokenizer), reward=0.0)
+    chosen, rejected = (expert, explored) if expert_wins else (explored, expert)
+    return {
+        "task_id": task, "env": "arith", "round": 1, "policy": "init-x", "kind": "expert",
+        "prompt": PROMPT, "chosen": chosen["side"], "rejected": rejected["side"],
+        "chosen_reward": chosen["reward"], "rejected_reward": rejected["reward"],
+        "chosen_source": chosen["source"], "rejected_source": rejected["source"],
+        "chosen_sample_idx": chosen["idx"], "rejected_sample_idx": rejected["idx"],
+        "chosen_turn_token_ids": chosen["ids"], "rejected_turn_token_ids": rejected["ids"],
+        "ref_chosen_logp": None, "ref_rejected_logp": None,
+    }  # fmt: skip
+
+
+def write_pairs(store: Store, rows: list[dict], name: str):
+    w = store.writer("pairs", stage="pareto", round=1, config={"name": name}, inputs=[])
+    if rows:
+        w.write_shard(0, rows)
+    return w.commit()
+
+
+def test_pair_example_trains_only_the_continuations_assistant_turns(world):
+    _, tokenizer, _ = world
+    ex = dpo.pair_example(tokenizer, pair_row(tokenizer, "t0", expert_wins=True))
+    prompt_ids, _ = encode_chat(tokenizer, PROMPT)
+    for side in ("chosen", "rejected"):
+        ids, mask = ex[f"{side}_ids"], ex[f"{side}_mask"]
+        assert ids[: len(prompt_ids)] == prompt_ids and not any(mask[: len(prompt_ids)])
+    eos = tokenizer.eos_token
+    chosen = [t for t, m in zip(ex["chosen_ids"], ex["chosen_mask"], strict=True) if m]
+    # the expert's two turns (from text) with their end-of-turn tokens; not the observation "49"
+    assert (
+        tokenizer.decode(chosen) == f"<python>print(37 + 12)</python>{eos}<answer>49</answer>{eos}"
+    )
+    rejected = [t for t, m in zip(ex["rejected_ids"], ex["rejected_mask"], strict=True) if m]
+    assert rejected == sampled_ids(tokenizer)[0]  # the stored ids, not a re-tokenization
+    assert rejected != tokenizer.encode("<answer>12</answer>") + [tokenizer.eos_token_id]
+
+
+def test_dpo_trains_with_precomputed_reference_and_caches(world):
+    store, tokenizer, policy = world
+    pairs = write_pairs(
+        store, [pair_row(tokenizer, f"t{i}", expert_wins=i % 3 != 0) for i in range(6)], "train"
+    )
+    cfg = Cfg(dpo=DpoConfig(lr=[5e-3], beta=[0.5, 0.1], epochs=4, **TRAIN))
+    ref = dpo.run(cfg, store, policy, pairs, round=1)
+
+    log = train_log(store, ref)
+    losses = [e["loss"] for e in log]
+    assert all(math.isfinite(v) for v in losses) and len(losses) == 4
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 0
+    assert losses[-1] < losses[0] - 0.01 and "reward_acc" in log[0]
+    start, _ = load_policy(store, policy)
+    trained, _ = load_policy(store, ref)
+    assert not torch.allclose(params(start), params(trained))
+    s = ref.summary
+    assert s["pairs"] == 6 and s["beta"] == 0.5 and s["lr"] == 5e-3 and s["train_steps"] == 4
+    assert s["final_loss"] == losses[-1] and s["reward_accuracy"] > 0.5 and s["reward_margin"] > 0
+
+    # The saved reference log-probs are the starting policy's: recompute pair 4 by hand.
+    saved = pl.read_parquet(checkpoint_dir(store, ref) / dpo.REF_LOGPS)
+    assert saved["pair"].to_list() == list(range(6))
+    ex = dpo.pair_example(tokenizer, pl.from_arrow(store.read(pairs)).row(4, named=True))
+    with torch.no_grad():
+        for side in ("chosen", "rejected"):
+            ids, mask = torch.tensor([ex[f"{side}_ids"]]), torch.tensor([ex[f"{side}_mask"]])
+            expected = sequence_logprob(start(input_ids=ids).logits, ids, mask).item()
+            assert saved[f"ref_{side}_logp"][4] == pytest.approx(expected, abs=1e-4)
+    assert pl.from_arrow(store.read(pairs))["ref_chosen_logp"].null_count() == 6  # input untouched
+
+    fresh = Store(store.root_url, run="test")  # same config: a cache hit, nothing written
+    assert dpo.run(cfg, fresh, policy, pairs, round=1).id == ref.id and not fresh.committed
+    other = cfg.model_copy(
+        update={"dpo": cfg.dpo.model_copy(update={"beta": [0.3], "max_steps": 1})}
+    )
+    assert dpo.run(other, fresh, policy, pairs, round=1).id != ref.id
+    # Round 2 resolves to the last entries: another id from the same section.
+    assert dpo.artifact_config(cfg, 2)["beta"] == 0.1 != dpo.artifact_config(cfg, 1)["beta"]
+
+
+def test_dpo_frozen_reference_trains(world):
+    store, tokenizer, policy = world
+    pairs = write_pairs(
+        store, [pair_row(tokenizer, "t0", True), pair_row(tokenizer, "t1", False)], "frozen"
+    )
+    cfg = Cfg(dpo=DpoConfig(lr=[5e-3], epochs=2, reference="frozen", **TRAIN))
+    ref = dpo.run(cfg, store, policy, pairs, round=3)
+    losses = [e["loss"] for e in train_log(store, ref)]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-4) and losses[1] != losses[0]
+    assert not (checkpoint_dir(store, ref) / dpo.REF_LOGPS).exists()
+
+
+def test_no_pairs_passes_the_policy_on(world, capsys):
+    store, _, policy = world
+    ref = dpo.run(Cfg(), store, policy, write_pairs(store, [], "empty"), round=4)
+    assert "WARNING" in capsys.readouterr().out
+    assert ref.summary["skipped"] == "no pairs" and ref.summary["train_steps"] == 0
+    start, _ = load_policy(store, policy)
+    same, _ = load_policy(store, ref)
+    assert torch.equal(params(start), params(same))
+    assert not (checkpoint_dir(store, ref) / dpo.TRAIN_LOG).exists()
+
+
+# -- GRPO -------------------------------------------------------------------------------------
+
+
+class LengthEnv:
+    """Two steps; the reward is the second action's length (so samples differ), or 0.5 on a
+    ``flat`` task (so its group is flat)."""
+
+    def reset(self, task: Task) -> str:
+        self.task, self.steps = task, 0
+        return task.prompt
+
+    def step(self, action: str):
+        self.steps += 1
+        info = {"tool_call": self.steps == 1, "tool_ok": self.steps == 1, "invalid": False}
+        if self.steps < 2:
+            return "49", 0.0, False, info
+        reward = 0.5 if self.task.meta.get("flat") else min(1.0, len(action) / 40)
+        return "", reward, True, {**info, "success": reward > 0.5}
+
+    def close(self) -> None:
+        pass
+
+
+class LengthSuite:
+    name = "fake"
+    instruction = "Solve the task."
+
+    def make(self) -> LengthEnv:
+        return LengthEnv()
+
+
+def group_rows(episodes: list[dict], policy_id: str) -> list[dict]:
+    names = groups_contract.SCHEMA.names
+    filler = {
+        "round": 1, "policy": policy_id, "group_front": 1, "group_crowding": 1.0, "group_x1": 0.0,
+        "group_x2": 0.0, "group_size": 4, "group_mean_reward": 0.0, "pareto_rank": 1,
+    }  # fmt: skip
+    return [{k: (ep | filler)[k] for k in names} for ep in episodes]
+
+
+@pytest.fixture(scope="module")
+def sampled(world):
+    """Groups artifact of 3 tasks x 4 samples really generated by the policy; t2 is flat."""
+    store, _, policy = world
+    model, tokenizer = load_policy(store, policy)
+    tasks = [
+        Task(f"t{i}", "fake", "train", 0, 1, "What is 37 + 12?", "49", {"flat": i == 2})
+        for i in range(3)
+    ]
+    episodes = run_episodes(
+        HFEngine(model, tokenizer), LengthSuite(), tasks, samples_per_task=4,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=10, seed=1), max_steps=2, seed=1,
+    )  # fmt: skip
+    w = store.writer("groups", stage="pareto", round=1, config={"name": "sampled"}, inputs=[])
+    w.write_shard(0, group_rows(episodes, policy.id))
+    return w.commit()
+
+
+def test_old_logprobs_sit_on_the_sampled_ids(world, sampled):
+    store, tokenizer, policy = world
+    model, _ = load_policy(store, policy)
+    rows = pl.from_arrow(store.read(sampled)).iter_rows(named=True)
+    for row in rows:
+        ex = grpo.trajectory_example(tokenizer, row, advantage=0.5)
+        ids, mask, old = ex["input_ids"], ex["loss_mask"], ex["old_logprobs"]
+        trained = [i for i, m in enumerate(mask) if m]
+        assert [ids[i] for i in trained] == [t for turn in row["turn_token_ids"] for t in turn]
+        stored = [lp for turn in row["turn_logprobs"] for lp in turn]
+        assert [old[i] for i in trained] == pytest.approx(stored)
+        assert all(old[i] == 0.0 for i in range(len(ids)) if not mask[i])
+        # What the policy assigns those positions in one forward pass is what it sampled with.
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+        logp = torch.log_softmax(logits, -1)
+        assert [logp[i - 1, ids[i]].item() for i in trained] == pytest.approx(stored, abs=1e-4)
+
+    row = pl.from_arrow(store.read(sampled)).row(0, named=True)
+    broken = row | {"turn_logprobs": [row["turn_logprobs"][0][:-1], *row["turn_logprobs"][1:]]}
+    with pytest.raises(ValueError, match="turn_token_ids and turn_logprobs differ"):
+        grpo.trajectory_example(tokenizer, broken, 1.0)
+    more = row | {
+        "turn_token_ids": [*row["turn_token_ids"], [5], [5]],  # 4 turns, 3 assistant messages
+        "turn_logprobs": [*row["turn_logprobs"], [-1.0], [-1.0]],
+    }
+    with pytest.raises(ValueError, match="stored turns for"):
+        grpo.trajectory_example(tokenizer, more, 1.0)
+
+
+def test_flat_groups_are_dropped_and_advantages_are_group_relative(world, sampled):
+    store, _, _ = world
+    frame = pl.from_arrow(store.read(sampled))
+    kept, counts = grpo.prepare(frame, GrpoConfig(), 0.0, 0.0)
+    assert counts == {"groups_in": 3, "groups_flat": 1}
+    assert set(kept["task_id"]) == {"t0", "t1"} and len(kept) == 8
+    expected = group_advantages(kept["reward"].to_list(), kept["task_id"].to_list())
+    assert kept["advantage"].to_list() == pytest.approx(expected.tolist())
+    assert kept["advantage"].abs().sum() > 0
+
+    everything, _ = grpo.prepare(frame, GrpoConfig(drop_flat_groups=False), 0.0, 0.0)
+    assert len(everything) == 12
+    assert everything.filter(pl.col("task_id") == "t2")["advantage"].to_list() == [0.0] * 4
+
+
+def test_efficiency_reward_and_its_annealing(world, sampled):
+    store, _, _ = world
+    frame = pl.from_arrow(store.read(sampled)).with_columns(
+        invalid_actions=pl.Series([1] + [0] * 11, dtype=pl.Int32)
+    )
+    gc = GrpoConfig(efficiency_reward=True)
+    assert grpo.sharpness(gc, 1, 2) == (0.2, 0.5) and grpo.sharpness(gc, 2, 2) == (0.1, 0.25)
+    shaped = grpo.rewards(frame, gc, 0.2, 0.5)
+    ok = [True] * 12
+    ok[0] = False  # an invalid action breaks the format
+    expected = efficiency_reward(
+        frame["reward"].to_list(), frame["tool_ok"].to_list(), frame["tokens"].to_list(),
+        frame["task_id"].to_list(), ok, s_tool=0.2, s_len=0.5,
+    )  # fmt: skip
+    assert shaped == pytest.approx(expected.tolist()) and shaped[0] < 0
+    # The flat task's lengths differ, so its shaped rewards no longer do: it is kept.
+    kept, counts = grpo.prepare(frame, gc, 0.2, 0.5)
+    assert counts["groups_flat"] == (0 if len(set(frame["tokens"][8:])) > 1 else 1)
+
+
+def test_grpo_trains_from_on_policy_groups(world, sampled):
+    store, _, policy = world
+    cfg = Cfg(grpo=GrpoConfig(lr=3e-3, epochs=3, **TRAIN | {"micro_batch_size": 4}))
+    ref = grpo.run(cfg, store, policy, sampled, round=1)
+    log = train_log(store, ref)
+    # The stored behaviour log-probs are the starting policy's: the first ratio is 1, nothing clipped.
+    assert log[0]["ratio"] == pytest.approx(1.0, abs=1e-3) and log[0]["clip_fraction"] == 0.0
+    assert all(math.isfinite(e["loss"]) for e in log) and len(log) == 6  # 8 trajectories / 4 x 3
+    assert len({round(e["loss"], 6) for e in log}) > 1 and log[-1]["ratio"] != pytest.approx(
+        1.0, abs=1e-4
+    )
+    start, _ = load_policy(store, policy)
+    trained, _ = load_policy(store, ref)
+    assert not torch.allclose(params(start), params(trained))
+    s = ref.summary
+    assert (s["groups"], s["groups_flat"], s["trajectories"]) == (2, 1, 8)
+    assert s["mean_abs_advantage"] > 0 and 0 <= s["clip_fraction"] <= 1
+    assert grpo.run(cfg, Store(store.root_url, run="test"), policy, sampled, round=1).id == ref.id
+
+
+def test_only_flat_groups_pass_the_policy_on(world, sampled):
+    store, _, policy = world
+    flat = [r | {"reward": 0.5} for r in pl.from_arrow(store.read(sampled)).to_dicts()]
+    w = store.writer("groups", stage="pareto", round=1, config={"name": "flat"}, inputs=[])
+    w.write_shard(0, flat)
+    ref = grpo.run(Cfg(), store, policy, w.commit(), round=2)
+    assert ref.summary["skipped"] == "all groups flat" and ref.summary["train_steps"] == 0
+
+
+def test_contracts_have_what_the_stages_read():
+    # The stages read these columns; the contracts are written by the pareto stage.
+    assert {"prompt", "chosen", "rejected", "chosen_turn_token_ids", "rejected_turn_token_ids",
+            "task_id", "env", "kind", "chosen_sample_idx", "rejected_sample_idx"} <= set(pairs_contract.SCHEMA.names)  # fmt: skip
+    assert {"env", "task_id", "sample_idx", "policy", "reward", "tool_ok", "tokens", "finish_reason",
+            "invalid_actions", "messages", "turn_token_ids", "turn_logprobs"} <= set(groups_contract.SCHEMA.names)  # fmt: skip

@@ -1,0 +1,207 @@
+"""The stages called directly (no Prefect) on the tiny config: tasks -> expert -> init ->
+evaluate(init) -> sft -> evaluate(sft) -> explore(round 1), then the store's caching rules on the
+real stages: same config = cache hit, ``force`` = new version, a changed input = new artifact."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+
+import stages.evaluate
+import stages.expert
+import stages.explore
+import stages.init
+import stages.sft
+import stages.tasks
+from flywheel.checkpoint import load_policy
+from flywheel.config import load_config
+from flywheel.store import ArtifactError, Store
+from tests.conftest import tiny_overrides
+
+METRICS = ("success_rate", "avg_reward", "n_tasks", "tool_success", "efficiency", "reasoning_tokens")
+N_TRAIN, N_TEST, K = 24, 8, 2
+
+
+def run_chain(cfg, store):
+    refs = {"tasks": stages.tasks.run(cfg, store)}
+    refs["expert"] = stages.expert.run(cfg, store, refs["tasks"])
+    refs["init"] = stages.init.run(cfg, store, refs["expert"])
+    refs["eval_init"] = stages.evaluate.run(cfg, store, refs["init"], refs["tasks"], round=0)
+    refs["sft"] = stages.sft.run(cfg, store, refs["init"], [refs["expert"]], round=0)
+    refs["eval_sft"] = stages.evaluate.run(cfg, store, refs["sft"], refs["tasks"], round=0)
+    refs["explore"] = stages.explore.run(cfg, store, refs["sft"], refs["tasks"], round=1)
+    return refs
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stages")
+    cfg = load_config(None, tiny_overrides(root))
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    refs = run_chain(cfg, store)
+    return cfg, store, refs
+
+
+def test_every_stage_writes_its_artifact_kind(chain):
+    _, store, refs = chain
+    kinds = {name: ref.kind for name, ref in refs.items()}
+    assert kinds == {
+        "tasks": "tasks",
+        "expert": "trajectories",
+        "init": "checkpoints",
+        "eval_init": "eval",
+        "sft": "checkpoints",
+        "eval_sft": "eval",
+        "explore": "trajectories",
+    }
+    # every one was written by this process, and each is a committed folder with a manifest
+    assert {ref.id for ref in refs.values()} == store.committed
+    for name, ref in refs.items():
+        assert (Path(ref.path) / "manifest.json").is_file(), name
+        assert ref.id.startswith(ref.stage + "-")
+        assert not list(Path(ref.path).parent.glob(".tmp-*")), f"{name} left a temporary folder"
+    assert refs["explore"].round == 1 and refs["sft"].round == 0
+
+
+def test_row_counts_and_lineage(chain):
+    _, store, refs = chain
+    tasks = store.read(refs["tasks"])
+    assert tasks.num_rows == N_TRAIN + N_TEST
+    assert refs["tasks"].summary == {"arith/train_tasks": N_TRAIN, "arith/test_tasks": N_TEST}
+    expert = pl.from_arrow(store.read(refs["expert"]))
+    assert len(expert) == N_TRAIN
+    assert set(expert["source"]) == {"expert"} and set(expert["split"]) == {"train"}
+    assert refs["expert"].summary["arith/oracle_success"] == pytest.approx(expert["success"].mean())
+    for name in ("init", "sft"):
+        assert store.read(refs[name]).num_rows == 1
+    assert store.read(refs["eval_init"]).num_rows == N_TEST
+    assert store.read(refs["eval_sft"]).num_rows == N_TEST
+    assert store.read(refs["explore"]).num_rows == N_TRAIN * K
+    # inputs are the artifact ids the stage read
+    assert refs["expert"].inputs == [refs["tasks"].id]
+    assert refs["sft"].inputs == [refs["init"].id, refs["expert"].id]
+    assert refs["explore"].inputs == [refs["sft"].id, refs["tasks"].id]
+    assert refs["eval_sft"].inputs == [refs["sft"].id, refs["tasks"].id]
+    lineage = store.lineage(refs["explore"].id)
+    assert [node["id"] for node in lineage["inputs"]] == [refs["sft"].id, refs["tasks"].id]
+
+
+@pytest.mark.parametrize("name", ["eval_init", "eval_sft", "explore"])
+def test_summary_has_every_metric_per_env(chain, name):
+    _, store, refs = chain
+    ref = refs[name]
+    frame = pl.from_arrow(store.read(ref, columns=["env", "success", "reward", "tokens"]))
+    for metric in METRICS:
+        assert f"arith/{metric}" in ref.summary, metric
+        assert math.isfinite(ref.summary[f"arith/{metric}"])
+    # the summary is computed from the rows, not made up
+    assert ref.summary["arith/n_tasks"] == len(frame)
+    assert ref.summary["arith/success_rate"] == pytest.approx(frame["success"].mean())
+    assert ref.summary["arith/avg_reward"] == pytest.approx(frame["reward"].sum() / len(frame))
+    assert ref.summary["arith/reasoning_tokens"] == pytest.approx(frame["tokens"].mean())
+    assert 0 <= ref.summary["arith/tool_success"] <= 1
+
+
+def test_eval_records_the_policy_it_evaluated(chain):
+    _, store, refs = chain
+    for eval_name, policy_name in (("eval_init", "init"), ("eval_sft", "sft")):
+        ref = refs[eval_name]
+        assert ref.manifest["policy"] == refs[policy_name].id
+        assert ref.manifest["policy_stage"] == policy_name
+        rows = pl.from_arrow(store.read(ref, columns=["policy", "policy_stage", "round"]))
+        assert set(rows["policy"]) == {refs[policy_name].id}
+        assert set(rows["policy_stage"]) == {policy_name}
+    # init and sft are evaluated on the same tasks in the same round: different artifacts
+    assert refs["eval_init"].id != refs["eval_sft"].id
+
+
+def test_sft_trains_and_changes_the_parameters(chain):
+    _, store, refs = chain
+    sft = refs["sft"]
+    assert sft.summary["train_steps"] == 3
+    assert math.isfinite(sft.summary["final_loss"]) and sft.summary["final_loss"] > 0
+    assert sft.summary["examples"] == N_TRAIN
+    init_model, _ = load_policy(store, refs["init"])
+    sft_model, _ = load_policy(store, sft)
+    init_state, sft_state = init_model.state_dict(), sft_model.state_dict()
+    assert init_state.keys() == sft_state.keys()
+    changed = [k for k in init_state if not torch.equal(init_state[k], sft_state[k])]
+    assert len(changed) >= len(init_state) // 2, f"only {changed} changed"
+    assert all(torch.isfinite(t).all() for t in sft_state.values())
+    row = store.read(sft).to_pylist()[0]
+    assert row["parent"] == refs["init"].id and row["policy"] == "sft"
+    log = (Path(sft.path) / "train_log.jsonl").read_text().splitlines()
+    assert len(log) == 3
+
+
+def test_explore_rows_carry_aligned_ids_and_logprobs(chain):
+    _, store, refs = chain
+    rows = store.read(refs["explore"]).to_pylist()
+    assert {r["policy"] for r in rows} == {refs["sft"].id}
+    assert {r["source"] for r in rows} == {"explore"}
+    assert {r["round"] for r in rows} == {1}
+    per_task = pl.DataFrame([{"t": r["task_id"], "k": r["sample_idx"]} for r in rows])
+    assert per_task.group_by("t").agg(pl.col("k").sort()).get_column("k").to_list() == [[0, 1]] * N_TRAIN
+    for r in rows:
+        ids, lps = r["turn_token_ids"], r["turn_logprobs"]
+        sampled = [m for m in r["messages"][2:] if m["role"] == "assistant"]
+        assert len(ids) == len(lps) == len(sampled) == r["steps"] >= 1
+        assert [len(t) for t in ids] == [len(t) for t in lps]
+        assert all(1 <= len(t) <= 12 for t in ids)  # engine.max_new_tokens
+        assert all(lp <= 0 and math.isfinite(lp) for t in lps for lp in t)
+        assert r["tokens"] == sum(len(t) for t in ids)
+    # K samples of a task are drawn, not copied
+    assert len({tuple(map(tuple, r["turn_token_ids"])) for r in rows}) > N_TRAIN
+    # 8-episode shards: 4 tasks x K=2 each
+    assert refs["explore"].manifest["shards"] == [f"part-{i:05d}.parquet" for i in range(6)]
+
+
+def test_second_call_is_a_cache_hit(chain):
+    cfg, store, refs = chain
+    fresh = Store(cfg.run.store_root(), cfg.run.name)
+    again = run_chain(cfg, fresh)
+    assert {k: r.id for k, r in again.items()} == {k: r.id for k, r in refs.items()}
+    assert fresh.committed == set()
+    for ref in again.values():
+        assert ref.id not in fresh.committed
+
+
+def test_force_writes_a_new_version_and_downstream_follows(tiny_config):
+    cfg = tiny_config  # a store of its own: the new version must not leak into the chain's
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    tasks = stages.tasks.run(cfg, store)
+    expert = stages.expert.run(cfg, store, tasks)
+    fresh = Store(cfg.run.store_root(), cfg.run.name)
+    forced = stages.tasks.run(cfg, fresh, force=True)
+    assert forced.id == tasks.id + ".2"
+    assert fresh.committed == {forced.id}
+    # same content, new version: later runs pick the newest, and what reads it reruns
+    assert store.read(forced).equals(store.read(tasks))
+    assert stages.tasks.run(cfg, Store(cfg.run.store_root(), cfg.run.name)).id == forced.id
+    expert2 = stages.expert.run(cfg, fresh, forced)
+    assert expert2.id != expert.id and expert2.id in fresh.committed
+    assert expert2.inputs == [forced.id]
+    # the old versions are still readable
+    assert fresh.get(tasks.id).id == tasks.id
+    assert stages.expert.run(cfg, fresh, tasks, force=True).id == expert.id + ".2"
+
+
+def test_changed_stage_config_reruns_only_that_stage(chain, tmp_path):
+    cfg, store, refs = chain
+    changed = load_config(None, tiny_overrides(Path(cfg.run.work_dir).parent, "evaluate.temperature=0.5"))
+    fresh = Store(changed.run.store_root(), changed.run.name)
+    # the checkpoints do not depend on evaluate's section
+    assert stages.sft.run(changed, fresh, refs["init"], [refs["expert"]], round=0).id == refs["sft"].id
+    ev = stages.evaluate.run(changed, fresh, refs["sft"], refs["tasks"], round=0)
+    assert ev.id != refs["eval_sft"].id and fresh.committed == {ev.id}
+    assert ev.manifest["config"]["evaluate"]["temperature"] == 0.5
+
+
+def test_missing_artifact_is_a_clear_error(chain):
+    _, store, _ = chain
+    with pytest.raises(ArtifactError, match="no artifact explore-nope"):
+        store.get("explore-nope")

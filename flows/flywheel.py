@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
+import stages.dpo
 import stages.evaluate
 import stages.expert
 import stages.explore
+import stages.grpo
 import stages.init
+import stages.pareto
 import stages.sft
 import stages.tasks
 from flywheel.config import Config, load_config
@@ -35,6 +38,22 @@ from flywheel.tracking import Tracker
 
 # Stages that talk to environments get a retry: env servers are the flaky part.
 RETRIES = {"expert": 1, "explore": 1, "evaluate": 1}
+
+
+# One name per stage everywhere: module, config section, Prefect task, artifact folder.
+STAGES = {
+    "tasks": stages.tasks,
+    "expert": stages.expert,
+    "init": stages.init,
+    "sft": stages.sft,
+    "explore": stages.explore,
+    "pareto": stages.pareto,
+    "dpo": stages.dpo,
+    "grpo": stages.grpo,
+    "evaluate": stages.evaluate,
+}
+BOOTSTRAP_ONLY = ("tasks", "expert", "init")
+ROUNDS_ONLY = ("explore", "pareto", "dpo", "grpo")
 
 
 class StopAfter(Exception):  # noqa: N818 - control flow, not an error
@@ -57,17 +76,10 @@ class Plan:
 
 
 @task(cache_policy=NONE, task_run_name="{name}-round-{round}")
-def run_stage(name: str, round: int, plan: Plan, *inputs: ArtifactRef, **kwargs) -> ArtifactRef:
+def run_stage(name: str, round: int, plan: Plan, *inputs: ArtifactRef, **kwargs) -> ArtifactRef | tuple[ArtifactRef, ...]:
     force = plan.force_all or (name, round) in plan.force
-    module = {
-        "tasks": stages.tasks,
-        "expert": stages.expert,
-        "init": stages.init,
-        "sft": stages.sft,
-        "explore": stages.explore,
-        "evaluate": stages.evaluate,
-    }[name]
-    if name in ("tasks", "expert", "init"):
+    module = STAGES[name]
+    if name in BOOTSTRAP_ONLY:
         ref = module.run(plan.cfg, plan.store, *inputs, force=force)
     else:
         ref = module.run(plan.cfg, plan.store, *inputs, round=round, force=force, **kwargs)
@@ -78,16 +90,18 @@ def _step(plan: Plan, name: str, round: int, *inputs: ArtifactRef, last: bool = 
     """Run one stage; ``last=False`` marks a stage that runs again later in the same round
     (round 0 evaluates pi_init, then the SFT policy), so ``stage`` stops at the later one."""
     t0 = time.perf_counter()
-    ref = run_stage.with_options(retries=RETRIES.get(name, 0))(name, round, plan, *inputs, **kwargs)
-    cached = ref.id not in plan.store.committed
-    took = "cache hit" if cached else f"{time.perf_counter() - t0:7.1f}s"
-    print(f"[round {round}] {name:<9} {took:>9}  {ref.id:<22} {_headline(ref)}", flush=True)
-    plan.tracker.log_stage(plan.parent_run, plan.store, ref, cached)
-    if name == "evaluate":
-        plan.evaluations.append(ref.id)
+    result = run_stage.with_options(retries=RETRIES.get(name, 0))(name, round, plan, *inputs, **kwargs)
+    took = time.perf_counter() - t0
+    for ref in result if isinstance(result, tuple) else (result,):
+        cached = ref.id not in plan.store.committed
+        label = "cache hit" if cached else f"{took:7.1f}s"
+        print(f"[round {round}] {name:<9} {label:>9}  {ref.id:<22} {_headline(ref)}", flush=True)
+        plan.tracker.log_stage(plan.parent_run, plan.store, ref, cached)
+        if name == "evaluate":
+            plan.evaluations.append(ref.id)
     if plan.stop_at == (name, round) and last:
-        raise StopAfter(ref)
-    return ref
+        raise StopAfter(result)
+    return result
 
 
 def _headline(ref: ArtifactRef) -> str:
@@ -111,11 +125,15 @@ def bootstrap(plan: Plan) -> dict[str, ArtifactRef]:
 
 
 def one_round(plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, ArtifactRef]) -> ArtifactRef:
-    """Round r >= 1: explore with pi_r, train on what worked, evaluate pi_{r+1}."""
+    """Round r >= 1: explore with pi_r, mine pairs and groups, run the configured training
+    steps (each from the previous step's checkpoint), evaluate pi_{r+1}."""
     explored = _step(plan, "explore", round, policy, boot["tasks"])
-    trained = _step(plan, "sft", round, policy, [explored])
-    _step(plan, "evaluate", round, trained, boot["tasks"])
-    return trained
+    pairs, groups = _step(plan, "pareto", round, explored, boot["expert"])
+    for name in plan.cfg.iteration.steps:
+        data = {"sft": [explored], "dpo": pairs, "grpo": groups}[name]
+        policy = _step(plan, name, round, policy, data)
+    _step(plan, "evaluate", round, policy, boot["tasks"])
+    return policy
 
 
 def _walk(plan: Plan, rounds: int) -> ArtifactRef | None:
@@ -175,19 +193,19 @@ def iteration_flow(config: str | None = None, overrides: list[str] | None = None
 def stage_flow(name: str, round: int = 0, config: str | None = None, overrides: list[str] | None = None,
                force: bool = False) -> str:
     """One stage of one round (``force`` writes a new version even when nothing changed)."""
-    known = {"tasks", "expert", "init", "sft", "explore", "evaluate"}
-    if name not in known:
-        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(sorted(known))}")
-    if round == 0 and name == "explore" or round > 0 and name in ("tasks", "expert", "init"):
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    if round == 0 and name in ROUNDS_ONLY or round > 0 and name in BOOTSTRAP_ONLY:
         raise ValueError(f"stage {name} does not run in round {round}")
     plan = _plan(config, list(overrides or []), stop_at=(name, round))
     if force:
         plan.force.add((name, round))
     rounds = max(round, 0)
-    ref = _tracked(plan, f"{plan.cfg.run.name}-{name}-round-{round}", rounds)
-    if ref is None or ref.stage != name:
-        raise ValueError(f"stage {name} did not run in round {round} (rounds run: {rounds})")
-    return ref.id
+    result = _tracked(plan, f"{plan.cfg.run.name}-{name}-round-{round}", rounds)
+    refs = result if isinstance(result, tuple) else (result,)
+    if result is None or refs[0].stage != name:
+        raise ValueError(f"stage {name} does not run in round {round} with iteration.steps={plan.cfg.iteration.steps}")
+    return " ".join(ref.id for ref in refs)
 
 
 if __name__ == "__main__":

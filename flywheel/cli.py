@@ -121,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command in ("run", "stage"):
+        from flywheel.config import load_config
+
+        # A bad config is a one-line error here; inside the flow Prefect would first log a
+        # traceback (and start its server) before the error reached us.
+        load_config(_config_path(args.config), args.overrides)
     if args.command == "run":
         from flows.flywheel import flywheel_flow
 

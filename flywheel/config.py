@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -76,6 +76,7 @@ class TrainSection(Section):
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    bucket_batches: int = Field(1, ge=1, description="Batches sorted by length together to cut padding; 1 = plain shuffle (sorting makes batches alike and slowed SFT on arith).")
     checkpoint_every: int = Field(0, ge=0, description="Save resumable training state (optimizer, data position) every N steps; 0 = none.")
     max_steps: int | None = Field(None, description="Stop after this many optimizer steps (null: run all epochs).")
 
@@ -106,6 +107,115 @@ class EvaluateConfig(Section):
     shard_size: int = Field(256, ge=1, description="Episodes per Parquet shard.")
 
 
+class ParetoConfig(Section):
+    margin: float = Field(
+        0.0,
+        ge=0,
+        description="best_worst pairs need reward(best) - reward(worst) > margin (strictly).",
+    )
+    expert_pairs: bool = Field(
+        True,
+        description="ETO pairs: every explored sample against its task's expert trajectory; the higher reward is chosen, ties give no pair.",
+    )
+    best_worst_pairs: bool = Field(
+        True,
+        description="Also pair the best and the worst of a task's K samples (ours), so pairs exist without an expert.",
+    )
+    prefer_pareto_rank: bool = Field(
+        True,
+        description="Among samples of equal reward, pick best/worst by per-trajectory Pareto rank (reward up, tool calls down, tokens down) before tokens.",
+    )
+    budget: int | None = Field(
+        1024,
+        ge=0,
+        description="GRPO groups to select, counted after the post-filter; null keeps every group that passes it.",
+    )
+    cut_extra_messages: int = Field(
+        10,
+        ge=0,
+        description="The rejected side keeps at most len(chosen trajectory) + this many messages (ETO: len(expert) + 10).",
+    )
+    graded_threshold: float = Field(
+        0.75,
+        ge=0,
+        le=1,
+        description="Graded (non-binary reward) groups need one reward >= this and one below it.",
+    )
+    shard_rows: int = Field(
+        50_000, ge=1, description="Rows per Parquet shard of the pairs and groups artifacts."
+    )
+
+
+class DpoConfig(TrainSection):
+    beta: list[float] = Field(
+        [0.1, 0.5],
+        min_length=1,
+        description="DPO inverse temperature per round: round r uses entry r-1, the last one for later rounds (ETO: 0.1, then 0.5).",
+    )
+    lr: list[float] = Field(  # type: ignore[assignment]
+        [1e-6, 5e-7],
+        min_length=1,
+        description="Peak learning rate per round, indexed like beta (ETO at 7B: 1e-6, then 5e-7; the tiny policy needs ~1e-3).",
+    )
+    epochs: int = Field(3, ge=1, description="Passes over the pairs (ETO: 3).")
+    reference: Literal["precomputed", "frozen"] = Field(
+        "precomputed",
+        description="precomputed: score every pair with the starting policy once before training (saved as ref_logps.parquet); frozen: keep a frozen copy of it in memory and score each batch.",
+    )
+
+    @field_validator("beta", "lr")
+    @classmethod
+    def _positive(cls, values: list[float]) -> list[float]:
+        if any(v <= 0 for v in values):
+            raise ValueError(f"every entry must be > 0, got {values}")
+        return values
+
+
+class GrpoConfig(TrainSection):
+    lr: float = Field(
+        1e-6,
+        gt=0,
+        description="Peak learning rate (1e-6 suits a 7B policy; the tiny embedded policy needs ~1e-4).",
+    )
+    epochs: int = Field(
+        1, ge=1, description="Passes over the selected trajectories (on-policy: 1)."
+    )
+    clip: float = Field(
+        0.2, gt=0, description="PPO ratio clip: the ratio is kept in [1 - clip, 1 + clip]."
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of 0.5*(logp - logp_ref)^2 to the starting policy (Trinity: 0.001); > 0 keeps a frozen copy in memory.",
+    )
+    efficiency_reward: bool = Field(
+        False,
+        description="Train on ET-Agent's R = raw * f_tool * f_len + f_format instead of the env reward.",
+    )
+    s_tool: float = Field(
+        0.2,
+        ge=0,
+        description="Efficiency reward: tool-call sharpness in round 1, annealed linearly to 0 over rounds 1..run.rounds.",
+    )
+    s_len: float = Field(
+        0.5,
+        ge=0,
+        description="Efficiency reward: length sharpness in round 1, annealed like s_tool.",
+    )
+    drop_flat_groups: bool = Field(
+        True,
+        description="Drop groups whose (shaped) rewards are all equal: their advantages are 0 and would only dilute the token mean.",
+    )
+
+
+class IterationConfig(Section):
+    steps: list[Literal["sft", "dpo", "grpo"]] = Field(
+        default_factory=lambda: ["dpo"],
+        min_length=1,
+        description="Training steps of every round after the bootstrap, in order; each starts from the previous step's checkpoint (e.g. [dpo], [grpo], [sft, dpo]).",
+    )
+
+
 class TrackingConfig(Section):
     enabled: bool = Field(True, description="Log runs, params, metrics and manifests to MLflow.")
     uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<work_dir>/mlflow.db.")
@@ -121,6 +231,10 @@ class Config(Section):
     expert: ExpertConfig = Field(default_factory=ExpertConfig, description="Expert trajectories from the envs' oracles.")
     sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning on expert trajectories.")
     explore: ExploreConfig = Field(default_factory=ExploreConfig, description="Exploration rollouts of the current policy.")
+    pareto: ParetoConfig = Field(default_factory=ParetoConfig, description="Pairs, group selection and Pareto ranks from explored trajectories.")
+    dpo: DpoConfig = Field(default_factory=DpoConfig, description="DPO on the round's pairs (ETO).")
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="GRPO on the round's selected groups (ET-Agent / Trinity).")
+    iteration: IterationConfig = Field(default_factory=IterationConfig, description="What a round after the bootstrap trains with.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Held-out evaluation.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
 

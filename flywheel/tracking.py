@@ -30,6 +30,7 @@ class Tracker:
     def __init__(self, uri: str | None, experiment: str, enabled: bool = True):
         self.enabled = enabled and uri is not None
         self.client = None
+        self._rounds: dict[tuple[str | None, int], str] = {}  # (parent, round) -> round run
         if not self.enabled:
             return
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
@@ -52,8 +53,20 @@ class Tracker:
         return run.info.run_id
 
     def end(self, run_id: str | None, status: str = "FINISHED") -> None:
+        """End a run, and the round runs nested under it."""
         if self.enabled and run_id:
+            for key in [k for k in self._rounds if k[0] == run_id]:
+                self.client.set_terminated(self._rounds.pop(key), status=status)
             self.client.set_terminated(run_id, status=status)
+
+    def round_run(self, parent: str | None, round: int) -> str | None:
+        """The run of one round nested under ``parent``, started when its first stage logs."""
+        if not self.enabled:
+            return None
+        key = (parent, round)
+        if key not in self._rounds:
+            self._rounds[key] = self.start(f"round-{round}", parent, tags={"round": str(round)})
+        return self._rounds[key]
 
     def log_params(self, run_id: str | None, params: dict[str, Any]) -> None:
         if not (self.enabled and run_id):
@@ -80,12 +93,12 @@ class Tracker:
             self.client.log_batch(run_id, metrics=items[i : i + 500])
 
     def log_stage(self, parent: str | None, store: Store, ref: ArtifactRef, cached: bool) -> None:
-        """A nested run for one stage's artifact."""
+        """A run for one stage's artifact, nested in its round's run under ``parent``."""
         if not self.enabled:
             return
         run_id = self.start(
             ref.stage,
-            parent,
+            self.round_run(parent, ref.round),
             tags={"artifact_id": ref.id, "inputs": ",".join(ref.inputs), "cached": str(cached).lower(),
                   "round": str(ref.round), "kind": ref.kind},
         )
@@ -111,7 +124,7 @@ class Tracker:
         for line in path.read_text().splitlines():
             entry = json.loads(line)
             step = int(entry.get("step", 0))
-            for key in ("loss", "lr", "grad_norm", "reward_acc", "clip_frac"):
+            for key in ("loss", "lr", "accuracy", "chosen_reward", "rejected_reward", "clip_fraction", "ratio", "kl"):
                 if isinstance(entry.get(key), (int, float)):
                     items.append(Metric(f"train/{key}", float(entry[key]), now, step))
         for i in range(0, len(items), 500):

@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pyarrow as pa
-from pydantic import Field
 
 from data_contracts import groups as groups_contract
 from data_contracts import pairs as pairs_contract
-from flywheel.config import Config, Section
+from flywheel.config import Config, ParetoConfig  # noqa: F401 - re-exported for callers
 from flywheel.pareto import GROUP, build_pairs, select_groups, trajectory_ranks
 from flywheel.store import ArtifactRef, ArtifactWriter, Store
 
@@ -40,45 +39,6 @@ PAIR_FIELDS = {
     "shard_rows",
 }
 GROUP_FIELDS = {"budget", "graded_threshold", "shard_rows"}
-
-
-class ParetoConfig(Section):
-    margin: float = Field(
-        0.0,
-        ge=0,
-        description="best_worst pairs need reward(best) - reward(worst) > margin (strictly).",
-    )
-    expert_pairs: bool = Field(
-        True,
-        description="ETO pairs: every explored sample against its task's expert trajectory; the higher reward is chosen, ties give no pair.",
-    )
-    best_worst_pairs: bool = Field(
-        True,
-        description="Also pair the best and the worst of a task's K samples (ours), so pairs exist without an expert.",
-    )
-    prefer_pareto_rank: bool = Field(
-        True,
-        description="Among samples of equal reward, pick best/worst by per-trajectory Pareto rank (reward up, tool calls down, tokens down) before tokens.",
-    )
-    budget: int | None = Field(
-        1024,
-        ge=0,
-        description="GRPO groups to select, counted after the post-filter; null keeps every group that passes it.",
-    )
-    cut_extra_messages: int = Field(
-        10,
-        ge=0,
-        description="The rejected side keeps at most len(chosen trajectory) + this many messages (ETO: len(expert) + 10).",
-    )
-    graded_threshold: float = Field(
-        0.75,
-        ge=0,
-        le=1,
-        description="Graded (non-binary reward) groups need one reward >= this and one below it.",
-    )
-    shard_rows: int = Field(
-        50_000, ge=1, description="Rows per Parquet shard of the pairs and groups artifacts."
-    )
 
 
 def run(

@@ -7,13 +7,11 @@ and show the agent the captured stdout, or a one-line error::
     result = run_python("print(37 + 12)", timeout_s=2.0)
     result.status, result.output, result.error   # ("ok", "49\\n", "")
 
-Each call starts a fresh ``python -I -S -B`` (isolated mode, no site-packages: only the standard
-library is importable, startup is fast). A bootstrap script passed with ``-c`` locks the child
-down before the user code runs:
+Every call runs in its own child process, locked down before the user code runs:
 
 - resource limits: CPU seconds, address space (memory), file size, no core files, no processes;
-- a fresh network namespace when the kernel permits it (root with CAP_SYS_ADMIN, or user
-  namespaces), so there is no network interface at all;
+- a network namespace without interfaces when the kernel permits it (root with CAP_SYS_ADMIN,
+  or user namespaces), so there is no network at all;
 - Landlock when the kernel has it (Linux >= 5.13, unprivileged): the kernel itself refuses
   writes outside the private directory, exec, TCP bind/connect and signals to other processes;
 - an audit hook (``sys.addaudithook``, which cannot be removed once installed) that refuses to
@@ -27,24 +25,55 @@ An audit hook fences in code that misbehaves by accident, which is what a policy
 do; it is not a proven boundary against code crafted to escape CPython. Reading files is not
 restricted. Run third-party models' code inside a container as well.
 
-The parent gives the child a private temporary directory as cwd (deleted afterwards), a minimal
-environment (no secrets from ours), reads at most a few kilobytes of its output, and kills the
-child's whole process group when the wall-clock timeout passes. ``run_python`` never raises for
-anything the code does; it always returns a ``SandboxResult``.
+The parent gives the child a private temporary directory as cwd (deleted afterwards) and a
+minimal environment (no secrets from ours), keeps at most a few kilobytes of its output, and
+kills the child's whole process group when the wall-clock timeout passes. ``run_python`` never
+raises for anything the code does; it always returns a ``SandboxResult``.
 
-Thread safety: every call owns its process, pipes and directory, and no ``preexec_fn`` is used
-(it is unsafe with threads and disables the fast vfork path), so calls can run from a thread
-pool. A process-wide semaphore bounds how many children run at once, so a large pool cannot
-oversubscribe the CPUs or the memory; waiting for a slot does not count against the timeout.
+Two ways to get the child (``mode``):
+
+- ``spawn``: a fresh ``python -I -S -B`` per call (isolated mode, no site-packages). Simple, but
+  interpreter startup costs 15-40 ms per call, which dominates the arith env.
+- ``fork`` (default): a fork server. On first use each Python process starts one helper,
+  ``python -I -S -B`` with its own small bootstrap, talking to us over a socketpair. The helper is
+  single-threaded (so forking it is safe, unlike forking our threaded process), holds no audit
+  hook and has imported nothing that would hand the child a way around the hook (no
+  ``subprocess``/``_posixsubprocess``; ctypes only to make the syscalls below, and the child
+  drops it before the hook goes in, as ``spawn`` does). For each call it forks a child that
+  joins a new process group, asks to be SIGKILLed if the helper dies, closes every inherited
+  descriptor, then applies this call's limits, Landlock and hook and execs the code in a fresh
+  ``__main__``. The helper reads the child's stdout/stderr, enforces the wall-clock deadline by
+  killing the group, reaps it and answers with the exit status and output. A call costs a
+  ``fork`` (about 1-3 ms in all) instead of an interpreter startup.
+  The network namespace is made once by the helper and inherited by every child, instead of
+  once per call: creating one costs more than the rest of a forked call, and a namespace with
+  no interface gives no network whether it is fresh or shared (the hook forbids sockets, and
+  Landlock's scoping keeps children from reaching each other's abstract sockets or signalling
+  each other). The helper exits when our end of the socketpair closes, so also when we are
+  killed; its children die with it. It is restarted on the next call if it dies; a call it
+  could not finish, and every call while it cannot start, runs in ``spawn`` mode instead.
+
+Thread safety: every call owns its child, directory and (in ``spawn`` mode) pipes; the fork
+server's socket is shared under a lock and answers are matched to calls by id, so calls can run
+from a thread pool. A process-wide semaphore bounds how many children run at once, so a large
+pool cannot oversubscribe the CPUs or the memory; waiting for a slot does not count against the
+timeout. A process forked from ours (multiprocessing) starts its own fork server.
+
+Benchmark: ``.venv/bin/python -m benchmarks.bench_sandbox``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import itertools
+import marshal
+import math
 import os
 import selectors
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -52,9 +81,10 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 Status = Literal["ok", "error", "timeout", "killed"]
+Mode = Literal["fork", "spawn"]
 
 # Each child is one CPU-bound process; more than two per core only adds context switching and
 # memory pressure (each may use up to ``memory_mb``).
@@ -63,6 +93,10 @@ _slots = threading.BoundedSemaphore(MAX_CONCURRENT)
 
 _ERROR_LINE_CHARS = 300
 _STDERR_TAIL_BYTES = 4096
+_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
+_SERVER_START_S = 10.0  # the helper's interpreter startup, on a loaded machine
+_SERVER_GRACE_S = 10.0  # past a call's timeout, a helper that has not answered is hung
+_SERVER_RETRY_S = 30.0  # after a failed start, use spawn mode this long before trying again
 
 
 @dataclass(frozen=True)
@@ -81,29 +115,31 @@ class SandboxResult:
     truncated: bool = False
 
 
-# Runs in the child before the user code; argv: tempdir, cpu_s, memory_mb, file_size_mb,
-# max_output_chars; the user code comes on stdin. Kept as one string so that nothing of ours has
-# to be importable by the isolated interpreter.
-_BOOTSTRAP = r"""
+# What every child runs to lock itself down and run the code, in both modes. Kept as source text
+# so that nothing of ours has to be importable by the isolated interpreter.
+_CHILD = r"""
 import os, posix, resource, signal, _signal, sys, types
-_tmp, _cpu, _mem, _fsz, _cap = sys.argv[1], *map(int, sys.argv[2:6])
-_src = sys.stdin.read()
-sys.stdin.close()
-sys.argv = ["<tool>"]
-os.environ["TMPDIR"] = _tmp
 
 
-def _os_layers(root):
-    # Best effort: a network namespace without interfaces, then Landlock (Linux >= 5.13, works
-    # unprivileged) denying writes outside root, exec, TCP and signals to other processes.
+def _load_libc():
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
     except (ImportError, OSError):
-        return
-    if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET needs CAP_SYS_ADMIN...
-        libc.unshare(0x10000000 | 0x40000000)  # ...or a new user namespace
+        return None
     libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def _unshare_net(libc):
+    # CLONE_NEWNET needs CAP_SYS_ADMIN... or a new user namespace
+    return libc.unshare(0x40000000) == 0 or libc.unshare(0x10000000 | 0x40000000) == 0
+
+
+def _landlock(libc, root):
+    # Best effort (Linux >= 5.13, works unprivileged): deny writes outside root, exec, TCP and
+    # signals to other processes.
+    import ctypes  # loaded by _load_libc already
     abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(VERSION)
     if abi < 1:
         return
@@ -259,7 +295,11 @@ class _Capped:
         return getattr(self._raw, name)
 
 
-def _install(root):
+def _lock_down(root, cpu, mem, fsz, cap):
+    _limits(cpu, mem, fsz)
+    sys.stdout.reconfigure(line_buffering=True)  # what was printed survives a kill
+    sys.stdout = _Capped(sys.stdout, cap)
+    sys.stderr = _Capped(sys.stderr, -1)
     # pidfd_send_signal can signal any process without an audit event
     for mod, name in ((signal, "pidfd_send_signal"), (_signal, "pidfd_send_signal"),
                       (os, "pidfd_open"), (posix, "pidfd_open")):
@@ -284,23 +324,235 @@ def _run(src):
         return 1, type(e).__name__ + (": " + str(e) if str(e) else "")
 
 
-_os_layers(os.path.realpath(_tmp))
-_limits(_cpu, _mem, _fsz)
-sys.stdout.reconfigure(line_buffering=True)  # what was printed survives a kill
-sys.stdout = _Capped(sys.stdout, _cap)
-sys.stderr = _Capped(sys.stderr, -1)
-_install(os.path.realpath(_tmp))
+def _run_and_exit(src):
+    try:
+        status, line = _run(src)
+    except BaseException as e:  # e.g. an exception whose str() raises
+        status, line = 1, type(e).__name__
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        pass
+    if status:
+        os.write(2, ("\n" + " ".join(line.split()) + "\n").encode("utf-8", "replace"))
+    os._exit(status)
+"""
+
+# spawn mode: argv: tempdir, cpu_s, memory_mb, file_size_mb, max_output_chars; code on stdin.
+_SPAWN_MAIN = r"""
+_tmp, _cpu, _mem, _fsz, _cap = sys.argv[1], *map(int, sys.argv[2:6])
+_src = sys.stdin.read()
+sys.stdin.close()
+sys.argv = ["<tool>"]
+os.environ["TMPDIR"] = _tmp
+_root = os.path.realpath(_tmp)
+_libc = _load_libc()
+if _libc is not None:
+    _unshare_net(_libc)
+    _landlock(_libc, _root)
+del _libc
+_lock_down(_root, _cpu, _mem, _fsz, _cap)
+_run_and_exit(_src)
+"""
+
+# fork mode: the helper. argv: the fd of its end of the socketpair. Frames both ways are a
+# 4-byte length and a marshal payload. Request: (id, code, tempdir, cpu_s, memory_mb,
+# file_size_mb, max_output_chars, timeout_s). Answer: (id, True, (timed_out, returncode,
+# stdout head, stderr tail)) or (id, False, why it could not run).
+_SERVER_MAIN = r"""
+import marshal, select, time
+
+_LIBC = [_load_libc()]  # loaded once, before any fork; each child uses it for Landlock
+if _LIBC[0] is not None:
+    _unshare_net(_LIBC[0])  # one network namespace without interfaces, inherited by every child
+_pidfd_open = getattr(os, "pidfd_open", None)
+
+
+class _Kid:
+    def __init__(self, rid, pid, out, err, pidfd, deadline, keep):
+        self.rid, self.pid, self.pidfd, self.deadline, self.keep = rid, pid, pidfd, deadline, keep
+        self.out_fd, self.out, self.err = out, bytearray(), bytearray()
+        self.bufs = {out: self.out, err: self.err}
+        self.open = {out, err}  # pipes not at EOF yet
+        self.rc, self.timed_out = None, False
+
+
+def _send(fd, msg):
+    data = marshal.dumps(msg)
+    data = memoryview(len(data).to_bytes(4, "big") + data)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _kill(pid):
+    for kill in (os.killpg, os.kill):  # the group; the child itself if it had no group yet
+        try:
+            kill(pid, 9)
+        except OSError:
+            pass
+
+
+def _child(req, out, err, server, forget):
+    rid, src, tmp, cpu, mem, fsz, cap, _ = req
+    try:
+        forget()  # other calls' code and output, in our copy of the helper's memory
+        os.setpgid(0, 0)
+        libc = _LIBC.pop()
+        if libc is not None:
+            libc.prctl(1, 9)  # PR_SET_PDEATHSIG: SIGKILL when the helper dies
+        if os.getppid() != server:
+            os._exit(1)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.chdir(tmp)
+        os.environ["TMPDIR"] = tmp
+        sys.argv = ["<tool>"]
+        sys.stdin.close()
+        root = os.path.realpath(tmp)
+        if libc is not None:
+            _landlock(libc, root)
+        del libc
+        _lock_down(root, cpu, mem, fsz, cap)
+    except BaseException as e:
+        os.write(2, ("\nsandbox setup failed: " + type(e).__name__ + " " + str(e) + "\n").encode())
+        os._exit(1)
+    _run_and_exit(src)
+
+
+def _serve(ctl):
+    me = os.getpid()
+    poll = select.poll()
+    poll.register(ctl, select.POLLIN)
+    kids, owner, inbox = {}, {}, bytearray()  # pid -> _Kid, pipe or pidfd -> _Kid
+
+    def forget():
+        kids.clear()
+        owner.clear()
+        inbox.clear()
+
+    def start(req):
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        deadline = time.monotonic() + req[7]
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            _send(ctl, (req[0], False, "fork failed: " + str(e)))
+            return
+        if pid == 0:
+            try:
+                _child(req, out_w, err_w, me, forget)
+            finally:
+                os._exit(1)
+        os.close(out_w)
+        os.close(err_w)
+        try:
+            os.setpgid(pid, pid)  # also here, so a kill right away finds the group
+        except OSError:
+            pass
+        pidfd = None
+        if _pidfd_open is not None:
+            try:
+                pidfd = _pidfd_open(pid)
+            except OSError:
+                pass
+        kid = _Kid(req[0], pid, out_r, err_r, pidfd, deadline, 4 * req[6] + 4)
+        kids[pid] = kid
+        for fd in (out_r, err_r) + ((pidfd,) if pidfd is not None else ()):
+            os.set_blocking(fd, False)
+            poll.register(fd, select.POLLIN)
+            owner[fd] = kid
+
+    def close(kid, fd):
+        poll.unregister(fd)
+        os.close(fd)
+        del owner[fd]
+        kid.open.discard(fd)
+
+    def read(kid, fd):  # True when the pipe has nothing more for now
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            close(kid, fd)
+            return True
+        buf = kid.bufs[fd]
+        if fd == kid.out_fd:  # keep reading past the cap so the child never blocks on a full pipe
+            buf += chunk[: max(0, kid.keep - len(buf))]
+        else:
+            buf += chunk
+            del buf[:-4096]
+        return False
+
+    def sweep(kid, now):
+        if kid.rc is None:
+            if not kid.timed_out and now >= kid.deadline:
+                kid.timed_out = True
+                _kill(kid.pid)
+            if os.waitid(os.P_PID, kid.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return
+            _kill(kid.pid)  # the group, while the unreaped leader still holds its id
+            kid.rc = os.waitstatus_to_exitcode(os.waitpid(kid.pid, 0)[1])
+            if kid.pidfd is not None:
+                close(kid, kid.pidfd)
+        if kid.open and not kid.timed_out and now >= kid.deadline:
+            kid.timed_out = True  # exited, but something still holds its pipes
+        if kid.timed_out:
+            for fd in list(kid.open):
+                while not read(kid, fd):
+                    pass
+                if fd in kid.open:
+                    close(kid, fd)
+        if not kid.open:
+            del kids[kid.pid]
+            result = (kid.timed_out, kid.rc, bytes(kid.out), bytes(kid.err))
+            _send(ctl, (kid.rid, True, result))
+
+    _send(ctl, ("ready", me))
+    try:
+        while True:
+            now = time.monotonic()
+            wait = 3600.0
+            for kid in kids.values():
+                if kid.rc is None and kid.pidfd is None:
+                    wait = min(wait, 0.01)  # no pidfd to wake us at its exit: look every 10 ms
+                if not kid.timed_out:
+                    wait = min(wait, kid.deadline - now)
+            for fd, _ in poll.poll(max(0.0, wait) * 1000):
+                if fd == ctl:
+                    chunk = os.read(ctl, 65536)
+                    if not chunk:
+                        return  # our parent closed its end, or died
+                    inbox.extend(chunk)
+                    while len(inbox) >= 4 and len(inbox) >= 4 + int.from_bytes(inbox[:4], "big"):
+                        size = int.from_bytes(inbox[:4], "big")
+                        req = marshal.loads(bytes(inbox[4 : 4 + size]))
+                        del inbox[: 4 + size]
+                        try:
+                            start(req)
+                        except Exception as e:
+                            _send(ctl, (req[0], False, type(e).__name__ + ": " + str(e)))
+                elif fd in owner and fd != owner[fd].pidfd:
+                    read(owner[fd], fd)
+            now = time.monotonic()
+            for kid in list(kids.values()):
+                sweep(kid, now)
+    finally:
+        for kid in kids.values():
+            _kill(kid.pid)
+        for kid in kids.values():
+            if kid.rc is None:
+                os.waitpid(kid.pid, 0)
+
+
 try:
-    _status, _line = _run(_src)
-except BaseException as e:  # e.g. an exception whose str() raises
-    _status, _line = 1, type(e).__name__
-try:
-    sys.stdout.flush()
-except BaseException:
-    pass
-if _status:
-    os.write(2, ("\n" + " ".join(_line.split()) + "\n").encode("utf-8", "replace"))
-os._exit(_status)
+    _serve(int(sys.argv[1]))
+finally:
+    os._exit(0)
 """
 
 
@@ -312,17 +564,33 @@ def run_python(
     memory_mb: int = 512,
     file_size_mb: int = 1,
     max_output_chars: int = 2000,
+    mode: Mode = "fork",
 ) -> SandboxResult:
-    """Run ``code`` in a sandboxed child interpreter and return what happened (never raises).
+    """Run ``code`` in a sandboxed child process and return what happened (never raises).
 
-    ``timeout_s`` is wall-clock time from the start of the child (interpreter startup included);
-    ``cpu_s`` its CPU seconds; ``memory_mb`` its address space; ``file_size_mb`` the largest file
-    it may write (inside its private directory); ``max_output_chars`` how much stdout is kept.
+    ``timeout_s`` is wall-clock time from the start of the child (in ``spawn`` mode interpreter
+    startup included); ``cpu_s`` its CPU seconds; ``memory_mb`` its address space;
+    ``file_size_mb`` the largest file it may write (inside its private directory);
+    ``max_output_chars`` how much stdout is kept. ``mode``: ``fork`` (a child forked by this
+    process's fork server; falls back to ``spawn`` when the server cannot run it) or ``spawn``
+    (a fresh interpreter per call).
     """
+    if mode not in ("fork", "spawn"):
+        raise ValueError(f"unknown sandbox mode {mode!r}; expected 'fork' or 'spawn'")
+    limits = (max(1, int(cpu_s)), int(memory_mb), int(file_size_mb), int(max_output_chars))
+    source = code.encode("utf-8", "replace")
     with _slots:
         tmp = tempfile.mkdtemp(prefix="flywheel-sandbox-")
         try:
-            return _spawn(code, tmp, timeout_s, cpu_s, memory_mb, file_size_mb, max_output_chars)
+            raw = None
+            if mode == "fork":
+                raw = _fork_server.run(source.decode("utf-8"), tmp, limits, timeout_s)
+                if raw is None:  # the server could not run it; nothing of ours ran yet or is left
+                    _remove_tree(tmp)
+                    tmp = tempfile.mkdtemp(prefix="flywheel-sandbox-")
+            if raw is None:
+                raw = _spawn(source, tmp, limits, timeout_s)
+            return _result(*raw, timeout_s, max_output_chars)
         except Exception as e:  # a failure of ours (spawn, pipes), not of the user code
             return SandboxResult(
                 "error", "", _one_line(f"sandbox failure: {type(e).__name__}: {e}")
@@ -331,18 +599,233 @@ def run_python(
             _remove_tree(tmp)
 
 
-def _spawn(
-    code: str,
-    tmp: str,
-    timeout_s: float,
-    cpu_s: int,
-    memory_mb: int,
-    file_size_mb: int,
-    max_output_chars: int,
+_Raw = tuple[bool, int, bytes, bytes]  # timed out, return code (-signal), stdout head, stderr tail
+
+
+def _result(
+    timed_out: bool, rc: int, stdout: bytes, stderr: bytes, timeout_s: float, max_chars: int
 ) -> SandboxResult:
-    limits = (max(1, int(cpu_s)), int(memory_mb), int(file_size_mb), int(max_output_chars))
-    argv = [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, tmp, *map(str, limits)]
-    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "TMPDIR": tmp}
+    text = stdout.decode("utf-8", "replace")
+    truncated = len(text) > max_chars
+    text = text[:max_chars]
+    if timed_out:
+        return SandboxResult("timeout", text, f"timeout after {timeout_s} s", truncated)
+    if rc == 0:
+        return SandboxResult("ok", text, "", truncated)
+    if rc < 0:
+        return SandboxResult("killed", text, _signal_message(-rc), truncated)
+    lines = stderr.decode("utf-8", "replace").strip().splitlines()
+    line = lines[-1] if lines else f"exit code {rc}"
+    if line.startswith("MemoryError"):
+        line = "memory limit exceeded"
+    return SandboxResult("error", text, _one_line(line), truncated)
+
+
+# -- fork mode ----------------------------------------------------------------------------------
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.answer: tuple[Any, ...] | None = None  # None: the server died before answering
+
+
+class _Server:
+    """One running fork server: its process, our end of its socket, the calls it owes."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.proc, self.sock, self.pid = proc, sock, proc.pid
+        self.alive = True
+        self._lock = threading.Lock()  # pending calls; held briefly, never while sending
+        self._send_lock = threading.Lock()  # whole frames, one at a time
+        self._pending: dict[int, _Call] = {}
+        self._ids = itertools.count()
+        threading.Thread(target=self._read, name="sandbox-fork-server", daemon=True).start()
+
+    def call(self, request: tuple[Any, ...], wait_s: float | None) -> _Raw | None:
+        call = _Call()
+        with self._lock:
+            if not self.alive:
+                return None
+            rid = next(self._ids)
+            self._pending[rid] = call
+        try:
+            with self._send_lock:
+                _send_frame(self.sock, (rid, *request))
+        except OSError:
+            self.kill()
+        if not call.done.wait(wait_s):
+            self.kill()  # hung: its children die with it (PR_SET_PDEATHSIG)
+            call.done.wait(_SERVER_GRACE_S)
+        answer = call.answer
+        if answer is None or not answer[1]:
+            return None
+        timed_out, rc, out, err = answer[2]
+        return bool(timed_out), int(rc), bytes(out), bytes(err)
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes our reader and any sender
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        """Ask the server to exit (it kills its children), and kill it if it does not."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                answer = _recv_frame(self.sock)
+                with self._lock:
+                    call = self._pending.pop(answer[0], None)
+                if call is not None:
+                    call.answer = answer
+                    call.done.set()
+        except (OSError, EOFError, ValueError, TypeError, IndexError):
+            pass  # closed, killed, or an answer we cannot read: this server is done
+        with self._lock:
+            self.alive = False
+            pending, self._pending = self._pending, {}
+        for call in pending.values():
+            call.done.set()
+        self.kill()
+        self.proc.wait()
+        with self._send_lock:
+            self.sock.close()
+
+
+class _ForkServer:
+    """This process's fork server: started on first use, restarted after it dies."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._server: _Server | None = None
+        self._retry_at = 0.0
+        self.start_error = ""  # why the last start failed, for logs and tests
+
+    def run(self, code: str, tmp: str, limits: tuple[int, ...], timeout_s: float) -> _Raw | None:
+        server = self._get()
+        if server is None:
+            return None
+        timeout_s = float(timeout_s)
+        wait_s = timeout_s + _SERVER_GRACE_S if math.isfinite(timeout_s) else None
+        return server.call((code, tmp, *limits, min(timeout_s, 1e9)), wait_s)
+
+    def pid(self) -> int | None:
+        """The running server's process id, starting it if needed (None if it cannot start)."""
+        server = self._get()
+        return None if server is None else server.pid
+
+    def _get(self) -> _Server | None:
+        with self._lock:
+            if self._server is not None and self._server.alive:
+                return self._server
+            if time.monotonic() < self._retry_at:
+                return None
+            try:
+                self._server = _start_server()
+            except Exception as e:
+                self._server, self._retry_at = None, time.monotonic() + _SERVER_RETRY_S
+                self.start_error = f"{type(e).__name__}: {e}"
+            return self._server
+
+    def stop(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+
+    def forget_after_fork(self) -> None:
+        # In a child forked from us: the server, its reader thread and the locks are the
+        # parent's. Close our copy of its socket (so it still sees EOF when the parent exits).
+        server, self._server = self._server, None
+        self._lock, self._retry_at = threading.Lock(), 0.0
+        if server is not None:
+            with contextlib.suppress(OSError):
+                server.sock.close()
+
+
+def _start_server() -> _Server:
+    ours, theirs = socket.socketpair()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-B", "-c", _CHILD + _SERVER_MAIN, str(theirs.fileno())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),),
+            cwd="/",
+            env=_ENV,
+            start_new_session=True,  # Ctrl-C in our terminal is ours to handle, not its
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    try:
+        ours.settimeout(_SERVER_START_S)
+        hello = _recv_frame(ours)
+        if hello != ("ready", proc.pid):
+            raise RuntimeError(f"unexpected greeting {hello!r}")
+        ours.settimeout(None)
+    except BaseException:
+        ours.close()
+        proc.kill()
+        proc.wait()
+        raise
+    return _Server(proc, ours)
+
+
+def _send_frame(sock: socket.socket, msg: tuple[Any, ...]) -> None:
+    data = marshal.dumps(msg)
+    sock.sendall(len(data).to_bytes(4, "big") + data)
+
+
+def _recv_frame(sock: socket.socket) -> tuple[Any, ...]:
+    size = int.from_bytes(_recv_exactly(sock, 4), "big")
+    msg = marshal.loads(_recv_exactly(sock, size))  # from our own server, never from the child
+    if not isinstance(msg, tuple):
+        raise ValueError("malformed answer from the fork server")
+    return msg
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise EOFError("the fork server closed its socket")
+        buf += chunk
+    return bytes(buf)
+
+
+_fork_server = _ForkServer()
+atexit.register(_fork_server.stop)
+
+
+def _after_fork_in_child() -> None:
+    global _slots
+    _slots = threading.BoundedSemaphore(MAX_CONCURRENT)  # slots held by threads not copied
+    _fork_server.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# -- spawn mode ---------------------------------------------------------------------------------
+
+
+def _spawn(source: bytes, tmp: str, limits: tuple[int, ...], timeout_s: float) -> _Raw:
+    argv = [sys.executable, "-I", "-S", "-B", "-c", _CHILD + _SPAWN_MAIN, tmp, *map(str, limits)]
+    env = {**_ENV, "TMPDIR": tmp}
     deadline = time.monotonic() + timeout_s
     proc = subprocess.Popen(
         argv,
@@ -357,10 +840,9 @@ def _spawn(
     feeder: threading.Thread | None = None
     try:
         # A source larger than the pipe buffer must not block us past the deadline.
-        source = code.encode("utf-8", "replace")
         feeder = threading.Thread(target=_feed, args=(proc.stdin, source), daemon=True)
         feeder.start()
-        stdout, stderr, timed_out = _collect(proc, deadline, 4 * max_output_chars + 4)
+        stdout, stderr, timed_out = _collect(proc, deadline, 4 * limits[3] + 4)
         if not timed_out:
             timed_out = not _wait_unreaped(proc.pid, deadline)
     finally:
@@ -376,22 +858,7 @@ def _spawn(
         for pipe in pipes:
             if pipe is not None:
                 pipe.close()
-
-    text = stdout.decode("utf-8", "replace")
-    truncated = len(text) > max_output_chars
-    text = text[:max_output_chars]
-    if timed_out:
-        return SandboxResult("timeout", text, f"timeout after {timeout_s} s", truncated)
-    rc = proc.returncode
-    if rc == 0:
-        return SandboxResult("ok", text, "", truncated)
-    if rc < 0:
-        return SandboxResult("killed", text, _signal_message(-rc), truncated)
-    lines = stderr.decode("utf-8", "replace").strip().splitlines()
-    line = lines[-1] if lines else f"exit code {rc}"
-    if line.startswith("MemoryError"):
-        line = "memory limit exceeded"
-    return SandboxResult("error", text, _one_line(line), truncated)
+    return timed_out, proc.returncode, stdout, stderr
 
 
 def _wait_unreaped(pid: int, deadline: float) -> bool:

@@ -70,6 +70,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     bf16: bool = True  # bf16 weights and compute on an accelerator; always off on CPU
     deepspeed_config: str | None = None  # JSON template; its "auto" values come from here
+    # Batches sorted by length together. Sorting makes batches alike: on the arith SFT data a
+    # chunk of 4 or 50 batches left the loss at 1.1 after 150 steps where a plain shuffle (1)
+    # reached 0.56, so bucketing is opt-in for data whose lengths vary a lot.
+    bucket_batches: int = 1
     log_every: int = 0  # steps between progress lines; 0 = about 20 lines per run
 
 
@@ -365,7 +369,7 @@ def _local_batches(
     wrapping around (as torch's DistributedSampler does) so every rank takes the same number of
     steps: ZeRO's collectives would hang otherwise."""
     batches = data.length_bucketed_batches(
-        lengths, cfg.micro_batch_size, seed=cfg.seed, epoch=epoch
+        lengths, cfg.micro_batch_size, seed=cfg.seed, epoch=epoch, chunk_batches=cfg.bucket_batches
     )
     for i in range((-len(batches)) % world):
         batches.append(batches[i])

@@ -25,7 +25,12 @@ from flywheel.engines.hf import HFEngine
 from flywheel.envs.base import Task
 from flywheel.model import build_tiny_model, train_tokenizer
 from flywheel.store import Store
-from flywheel.training.losses import efficiency_reward, group_advantages, sequence_logprob
+from flywheel.training.losses import (
+    efficiency_reward,
+    group_advantages,
+    masked_ce,
+    sequence_logprob,
+)
 from stages import dpo, grpo
 from stages.dpo import DpoConfig
 from stages.grpo import GrpoConfig
@@ -38,6 +43,18 @@ CORPUS = [
 TRAIN = dict(micro_batch_size=8, max_length=256, warmup_ratio=0.0)
 
 
+def msg(role: str, content: str, loss: bool = False) -> dict:
+    return {"role": role, "content": content, "loss": loss}
+
+
+PROMPT = [msg("user", "Solve the task."), msg("assistant", "Ok."), msg("user", "What is 37 + 12?")]
+EXPERT = [
+    msg("assistant", "<python>print(37 + 12)</python>", True),
+    msg("user", "49"),
+    msg("assistant", "<answer>49</answer>", True),
+]
+
+
 class Cfg(Config):
     # DpoConfig and GrpoConfig live in their stages until Config grows the sections.
     dpo: DpoConfig = Field(default_factory=DpoConfig)
@@ -46,12 +63,15 @@ class Cfg(Config):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A store holding a tiny random policy as an ``init`` checkpoint."""
+    """A store holding a tiny policy as an ``init`` checkpoint, nudged for a few steps towards
+    short actions so that some of its sampled turns end with the end-of-turn token and some are
+    cut at max_new_tokens (both paths of the id alignment)."""
     store = Store(str(tmp_path_factory.mktemp("store")), run="test")
     tokenizer = train_tokenizer(CORPUS)
     model = build_tiny_model(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
+    nudge(model, tokenizer, steps=15)
     w = store.writer("checkpoints", stage="init", round=0, config={}, inputs=[])
     policy = write_checkpoint(
         w, model, tokenizer, policy="init", round=0, parent="", base="embedded"
@@ -59,12 +79,23 @@ def world(tmp_path_factory):
     return store, tokenizer, policy
 
 
+def nudge(model, tokenizer, steps: int) -> None:
+    actions = ["<answer>49</answer>", "<python>print(37 + 12)</python>", "<answer>12</answer>"]
+    batch = [encode_chat(tokenizer, [*PROMPT, msg("assistant", a, True)]) for a in actions]
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in batch])
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = masked_ce(model(input_ids=ids).logits, ids, mask)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
 def params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def msg(role: str, content: str, loss: bool = False) -> dict:
-    return {"role": role, "content": content, "loss": loss}
 
 
 def train_log(store: Store, ref) -> list[dict]:
@@ -75,25 +106,30 @@ def train_log(store: Store, ref) -> list[dict]:
 
 # -- DPO --------------------------------------------------------------------------------------
 
-PROMPT = [msg("user", "Solve the task."), msg("assistant", "Ok."), msg("user", "What is 37 + 12?")]
-EXPERT = [
-    msg("assistant", "<python>print(37 + 12)</python>", True),
-    msg("user", "49"),
-    msg("assistant", "<answer>49</answer>", True),
-]
-SAMPLED = [msg("assistant", "<answer>12</answer>", True)]
 
-
-def sampled_ids(tokenizer) -> list[list[int]]:
-    # "12" as two one-digit pieces: encoding the text would give the one piece "12", so the
-    # example shows whether the stored ids were used.
+def explored_side(tokenizer, answer: str) -> tuple[list[dict], list[list[int]]]:
+    """An explored continuation (a tool call, its output, a wrong answer) and its stored ids.
+    The answer's digits are stored as one-digit pieces while encoding the text gives one
+    two-digit piece, so an example shows whether the stored ids were used."""
     piece = tokenizer.convert_tokens_to_ids
-    return [[piece("<answer>"), piece("1"), piece("2"), piece("</answer>"), tokenizer.eos_token_id]]
+    eos = tokenizer.eos_token_id
+    call = "<python>print(37 - 12)</python>"
+    side = [
+        msg("assistant", call, True),
+        msg("user", "25"),
+        msg("assistant", f"<answer>{answer}</answer>", True),
+    ]
+    ids = [
+        tokenizer.encode(call, add_special_tokens=False) + [eos],
+        [piece("<answer>"), *map(piece, answer), piece("</answer>"), eos],
+    ]
+    return side, ids
 
 
-def pair_row(tokenizer, task: str, expert_wins: bool) -> dict:
+def pair_row(tokenizer, task: str, answer: str = "12", expert_wins: bool = True) -> dict:
+    side, ids = explored_side(tokenizer, answer)
     expert = dict(side=EXPERT, source="expert", idx=-1, ids=[], reward=1.0)
-    explored = dict(side=SAMPLED, source="explore", idx=0, ids=sampled_ids(tokenizer), reward=0.0)
+    explored = dict(side=side, source="explore", idx=0, ids=ids, reward=0.0)
     chosen, rejected = (expert, explored) if expert_wins else (explored, expert)
     return {
         "task_id": task, "env": "arith", "round": 1, "policy": "init-x", "kind": "expert",
@@ -106,6 +142,9 @@ def pair_row(tokenizer, task: str, expert_wins: bool) -> dict:
     }  # fmt: skip
 
 
+ANSWERS = ["12", "13", "21", "25", "37", "50"]
+
+
 def write_pairs(store: Store, rows: list[dict], name: str):
     w = store.writer("pairs", stage="pareto", round=1, config={"name": name}, inputs=[])
     if rows:
@@ -113,28 +152,34 @@ def write_pairs(store: Store, rows: list[dict], name: str):
     return w.commit()
 
 
-def test_pair_example_trains_only_the_continuations_assistant_turns(world):
+def masked(ex: dict, side: str) -> list[int]:
+    return [t for t, m in zip(ex[f"{side}_ids"], ex[f"{side}_mask"], strict=True) if m]
+
+
+@pytest.mark.parametrize("expert_wins", [True, False])
+def test_pair_example_trains_only_the_continuations_assistant_turns(world, expert_wins):
     _, tokenizer, _ = world
-    ex = dpo.pair_example(tokenizer, pair_row(tokenizer, "t0", expert_wins=True))
+    ex = dpo.pair_example(tokenizer, pair_row(tokenizer, "t0", "12", expert_wins))
     prompt_ids, _ = encode_chat(tokenizer, PROMPT)
-    for side in ("chosen", "rejected"):
+    for side in ("chosen", "rejected"):  # the prompt, "Ok." included, is never trained
         ids, mask = ex[f"{side}_ids"], ex[f"{side}_mask"]
         assert ids[: len(prompt_ids)] == prompt_ids and not any(mask[: len(prompt_ids)])
+    expert, explored = ("chosen", "rejected") if expert_wins else ("rejected", "chosen")
     eos = tokenizer.eos_token
-    chosen = [t for t, m in zip(ex["chosen_ids"], ex["chosen_mask"], strict=True) if m]
     # the expert's two turns (from text) with their end-of-turn tokens; not the observation "49"
-    assert (
-        tokenizer.decode(chosen) == f"<python>print(37 + 12)</python>{eos}<answer>49</answer>{eos}"
+    assert tokenizer.decode(masked(ex, expert)) == (
+        f"<python>print(37 + 12)</python>{eos}<answer>49</answer>{eos}"
     )
-    rejected = [t for t, m in zip(ex["rejected_ids"], ex["rejected_mask"], strict=True) if m]
-    assert rejected == sampled_ids(tokenizer)[0]  # the stored ids, not a re-tokenization
-    assert rejected != tokenizer.encode("<answer>12</answer>") + [tokenizer.eos_token_id]
+    # the explored turns as stored (not re-tokenized), not the observation "25"
+    stored = explored_side(tokenizer, "12")[1]
+    assert masked(ex, explored) == stored[0] + stored[1]
+    assert stored[1] != tokenizer.encode("<answer>12</answer>") + [tokenizer.eos_token_id]
 
 
 def test_dpo_trains_with_precomputed_reference_and_caches(world):
     store, tokenizer, policy = world
     pairs = write_pairs(
-        store, [pair_row(tokenizer, f"t{i}", expert_wins=i % 3 != 0) for i in range(6)], "train"
+        store, [pair_row(tokenizer, f"t{i}", answer) for i, answer in enumerate(ANSWERS)], "train"
     )
     cfg = Cfg(dpo=DpoConfig(lr=[5e-3], beta=[0.5, 0.1], epochs=4, **TRAIN))
     ref = dpo.run(cfg, store, policy, pairs, round=1)
@@ -175,7 +220,7 @@ def test_dpo_trains_with_precomputed_reference_and_caches(world):
 def test_dpo_frozen_reference_trains(world):
     store, tokenizer, policy = world
     pairs = write_pairs(
-        store, [pair_row(tokenizer, "t0", True), pair_row(tokenizer, "t1", False)], "frozen"
+        store, [pair_row(tokenizer, "t0", "12"), pair_row(tokenizer, "t1", "37")], "frozen"
     )
     cfg = Cfg(dpo=DpoConfig(lr=[5e-3], epochs=2, reference="frozen", **TRAIN))
     ref = dpo.run(cfg, store, policy, pairs, round=3)
@@ -256,7 +301,10 @@ def sampled(world):
 def test_old_logprobs_sit_on_the_sampled_ids(world, sampled):
     store, tokenizer, policy = world
     model, _ = load_policy(store, policy)
-    rows = pl.from_arrow(store.read(sampled)).iter_rows(named=True)
+    frame = pl.from_arrow(store.read(sampled))
+    ends = [turn[-1] == tokenizer.eos_token_id for turn in frame["turn_token_ids"].explode()]
+    assert any(ends) and not all(ends)  # both ended and cut turns are covered
+    rows = frame.iter_rows(named=True)
     for row in rows:
         ex = grpo.trajectory_example(tokenizer, row, advantage=0.5)
         ids, mask, old = ex["input_ids"], ex["loss_mask"], ex["old_logprobs"]
@@ -313,9 +361,10 @@ def test_efficiency_reward_and_its_annealing(world, sampled):
         frame["task_id"].to_list(), ok, s_tool=0.2, s_len=0.5,
     )  # fmt: skip
     assert shaped == pytest.approx(expected.tolist()) and shaped[0] < 0
-    # The flat task's lengths differ, so its shaped rewards no longer do: it is kept.
+    # The flat task's samples differ in length, so their shaped rewards differ: the group is kept.
+    assert len(set(frame["tokens"][8:])) > 1
     kept, counts = grpo.prepare(frame, gc, 0.2, 0.5)
-    assert counts["groups_flat"] == (0 if len(set(frame["tokens"][8:])) > 1 else 1)
+    assert counts["groups_flat"] == 0 and len(kept) == 12
 
 
 def test_grpo_trains_from_on_policy_groups(world, sampled):

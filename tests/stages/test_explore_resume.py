@@ -27,7 +27,12 @@ from tests.conftest import tiny_overrides
 ROOT = Path(__file__).resolve().parents[2]
 N_TRAIN, K = 48, 2
 # One task (K=2 episodes) per shard: 48 shards of ~0.1 s each leave seconds to kill in between.
-SLOW = (f"envs.arith.n_train={N_TRAIN}", "explore.shard_size=2", "engine.max_new_tokens=24", "envs.arith.max_steps=4")
+SLOW = (
+    f"envs.arith.n_train={N_TRAIN}",
+    "explore.shard_size=2",
+    "engine.max_new_tokens=24",
+    "envs.arith.max_steps=4",
+)
 
 CHILD = """
 import json, sys
@@ -50,7 +55,9 @@ def prepare(root: Path):
     return overrides, cfg, tasks, init
 
 
-def kill_after_first_shard(overrides, policy_id, tasks_id, stage_dir: Path, log: Path, timeout=180.0):
+def kill_after_first_shard(
+    overrides, policy_id, tasks_id, stage_dir: Path, log: Path, timeout=180.0
+):
     """Start explore in a child, SIGKILL it once a shard is finished but no manifest exists.
     Returns the temporary folder it was writing."""
     with open(log, "w") as out:
@@ -75,7 +82,9 @@ def kill_after_first_shard(overrides, policy_id, tasks_id, stage_dir: Path, log:
                     f"shards smaller or slower (SLOW). Child output:\n{log.read_text()[-3000:]}"
                 )
             time.sleep(0.005)
-        pytest.fail(f"no explore shard within {timeout:.0f}s. Child output:\n{log.read_text()[-3000:]}")
+        pytest.fail(
+            f"no explore shard within {timeout:.0f}s. Child output:\n{log.read_text()[-3000:]}"
+        )
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
@@ -97,7 +106,10 @@ def test_explore_killed_mid_run_resumes_keeping_finished_shards(tmp_path):
     assert reader.latest("explore") is None
     with pytest.raises(ArtifactError, match=f"no artifact {art_id}"):
         reader.get(art_id)
-    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in tmp.glob("part-*.parquet")}
+    before = {
+        p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
+        for p in tmp.glob("part-*.parquet")
+    }
     total = N_TRAIN  # one task per shard
     assert 1 <= len(before) < total, (
         f"the child wrote {len(before)}/{total} shards before the kill; make the shards slower"
@@ -124,7 +136,11 @@ def test_explore_killed_mid_run_resumes_keeping_finished_shards(tmp_path):
     assert len(ref.manifest["shards"]) == total
     table = Store(cfg.run.store_root(), cfg.run.name).read(ref.id)
     assert table.num_rows == N_TRAIN * K
-    pairs = set(zip(table.column("task_id").to_pylist(), table.column("sample_idx").to_pylist(), strict=True))
+    pairs = set(
+        zip(
+            table.column("task_id").to_pylist(), table.column("sample_idx").to_pylist(), strict=True
+        )
+    )
     assert len(pairs) == N_TRAIN * K
     assert [r.id for r in reader.list(stage="explore")] == [ref.id]
 

@@ -22,7 +22,14 @@ from flywheel.config import load_config
 from flywheel.store import ArtifactError, Store
 from tests.conftest import tiny_overrides
 
-METRICS = ("success_rate", "avg_reward", "n_tasks", "tool_success", "efficiency", "reasoning_tokens")
+METRICS = (
+    "success_rate",
+    "avg_reward",
+    "n_tasks",
+    "tool_success",
+    "efficiency",
+    "reasoning_tokens",
+)
 N_TRAIN, N_TEST, K = 24, 8, 2
 
 
@@ -145,7 +152,10 @@ def test_explore_rows_carry_aligned_ids_and_logprobs(chain):
     assert {r["source"] for r in rows} == {"explore"}
     assert {r["round"] for r in rows} == {1}
     per_task = pl.DataFrame([{"t": r["task_id"], "k": r["sample_idx"]} for r in rows])
-    assert per_task.group_by("t").agg(pl.col("k").sort()).get_column("k").to_list() == [[0, 1]] * N_TRAIN
+    assert (
+        per_task.group_by("t").agg(pl.col("k").sort()).get_column("k").to_list()
+        == [[0, 1]] * N_TRAIN
+    )
     for r in rows:
         ids, lps = r["turn_token_ids"], r["turn_logprobs"]
         sampled = [m for m in r["messages"][2:] if m["role"] == "assistant"]
@@ -192,10 +202,14 @@ def test_force_writes_a_new_version_and_downstream_follows(tiny_config):
 
 def test_changed_stage_config_reruns_only_that_stage(chain, tmp_path):
     cfg, store, refs = chain
-    changed = load_config(None, tiny_overrides(Path(cfg.run.work_dir).parent, "evaluate.temperature=0.5"))
+    changed = load_config(
+        None, tiny_overrides(Path(cfg.run.work_dir).parent, "evaluate.temperature=0.5")
+    )
     fresh = Store(changed.run.store_root(), changed.run.name)
     # the checkpoints do not depend on evaluate's section
-    assert stages.sft.run(changed, fresh, refs["init"], [refs["expert"]], round=0).id == refs["sft"].id
+    assert (
+        stages.sft.run(changed, fresh, refs["init"], [refs["expert"]], round=0).id == refs["sft"].id
+    )
     ev = stages.evaluate.run(changed, fresh, refs["sft"], refs["tasks"], round=0)
     assert ev.id != refs["eval_sft"].id and fresh.committed == {ev.id}
     assert ev.manifest["config"]["evaluate"]["temperature"] == 0.5

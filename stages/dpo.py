@@ -1,0 +1,247 @@
+"""Stage ``dpo``: preference optimisation of the round's policy on the pareto stage's pairs (ETO).
+
+Each pair is ``prompt + chosen`` against ``prompt + rejected``. The loss sums token log-probs over
+the assistant turns of each continuation only: the prompt (instruction, ``Ok.``, first
+observation) and every observation are masked; sampled turns are encoded from their stored ids,
+expert turns from their text (ALGORITHMS.md, "DPO").
+
+The reference is the policy at the start of the round. ``reference: precomputed`` (the default)
+scores every pair with it once before training, keeps the numbers in memory and saves them as
+``ref_logps.parquet`` next to the weights (the pairs artifact is an input and is never rewritten);
+``reference: frozen`` keeps a frozen copy of the policy in memory and scores each batch with it.
+
+beta and lr are lists indexed by round: round r uses entry r-1, the last entry for every later
+round (defaults: beta 0.1 then 0.5, lr 1e-6 then 5e-7). The artifact id hashes the ``dpo``
+section and the values the round resolved, so changing beta reruns dpo and what follows only.
+
+No pairs (exploration found no task where a side beat the other): the stage warns and writes a
+checkpoint identical to its input with ``skipped: "no pairs"`` in the summary, so the round still
+evaluates and the next round explores again from the same policy.
+
+    flywheel stage dpo --round 1
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from flywheel.chat import align_turn_ids, encode_chat
+from flywheel.checkpoint import checkpoint_dir, load_policy, write_checkpoint
+from flywheel.config import Config, DpoConfig
+from flywheel.store import MANIFEST, ArtifactRef, ArtifactWriter, Store
+from flywheel.training.loop import TrainConfig, compute_ref_logps, train
+
+TRAIN_LOG = "train_log.jsonl"
+REF_LOGPS = "ref_logps.parquet"
+REF_SCHEMA = pa.schema(
+    [
+        ("pair", pa.int64()),  # row index in the pairs artifact
+        ("task_id", pa.string()),
+        ("env", pa.string()),
+        ("kind", pa.string()),
+        ("chosen_sample_idx", pa.int32()),
+        ("rejected_sample_idx", pa.int32()),
+        ("ref_chosen_logp", pa.float64()),
+        ("ref_rejected_logp", pa.float64()),
+    ]
+)
+# Fields of the section that are not TrainConfig fields, or are resolved per round.
+OWN_FIELDS = {"beta", "lr", "reference"}
+
+
+
+def per_round(values: list[float], round: int) -> float:
+    """Entry ``round - 1`` of a per-round list; the last entry for every later round."""
+    return values[min(max(round, 1), len(values)) - 1]
+
+
+def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
+    """What the artifact id hashes: the section, the seed and the values this round resolved."""
+    dc: DpoConfig = cfg.dpo  # type: ignore[attr-defined]
+    return {
+        "dpo": dc.model_dump(),
+        "beta": per_round(dc.beta, round),
+        "lr": per_round(dc.lr, round),
+        "seed": cfg.run.seed,
+    }
+
+
+def train_config(dc: DpoConfig, round: int, seed: int) -> TrainConfig:
+    return TrainConfig(
+        **dc.model_dump(exclude=OWN_FIELDS),
+        lr=per_round(dc.lr, round),
+        beta=per_round(dc.beta, round),
+        seed=seed,
+    )
+
+
+def _side(
+    tokenizer: Any, prompt: list[dict], continuation: list[dict], turn_ids: list | None
+) -> tuple[list[int], list[int]]:
+    # Only the continuation's assistant turns are trained, whatever the stored flags say.
+    messages = [{**m, "loss": False} for m in prompt]
+    messages += [{**m, "loss": m["role"] == "assistant"} for m in continuation]
+    return encode_chat(tokenizer, messages, align_turn_ids(messages, turn_ids or []))
+
+
+def pair_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, list[int]]:
+    """A pairs row -> the loop's dpo example (ids and loss mask of prompt+chosen, prompt+rejected)."""
+    chosen_ids, chosen_mask = _side(
+        tokenizer, row["prompt"], row["chosen"], row["chosen_turn_token_ids"]
+    )
+    rejected_ids, rejected_mask = _side(
+        tokenizer, row["prompt"], row["rejected"], row["rejected_turn_token_ids"]
+    )
+    return {
+        "chosen_ids": chosen_ids,
+        "chosen_mask": chosen_mask,
+        "rejected_ids": rejected_ids,
+        "rejected_mask": rejected_mask,
+    }
+
+
+def write_train_log(folder: Path, history: list[dict[str, Any]]) -> None:
+    """Per-step metrics next to the weights; the tracker logs them as curves (its names for the
+    loss's own stats are ``reward_acc`` and ``clip_frac``, so those are added as aliases)."""
+    aliases = {"accuracy": "reward_acc", "clip_fraction": "clip_frac"}
+    with open(folder / TRAIN_LOG, "w") as fh:
+        for entry in history:
+            extra = {alias: entry[key] for key, alias in aliases.items() if key in entry}
+            fh.write(json.dumps(entry | extra) + "\n")
+
+
+def last_epoch_mean(history: list[dict[str, Any]], key: str) -> float:
+    """Mean of a per-step stat over the last epoch (the last step alone may hold a single pair)."""
+    last = [h[key] for h in history if h["epoch"] == history[-1]["epoch"]]
+    return float(sum(last) / len(last))
+
+
+def unchanged_checkpoint(
+    w: ArtifactWriter, store: Store, policy: ArtifactRef, *, stage: str, round: int, reason: str
+) -> ArtifactRef:
+    """Commit a copy of ``policy`` (weights, config and tokenizer files) as this stage's output,
+    with ``skipped: reason`` in the summary: a round without training data passes its policy on."""
+    from transformers import AutoTokenizer
+
+    print(
+        f"{stage}: WARNING round {round}: {reason}; the policy {policy.id} is passed on unchanged",
+        flush=True,
+    )
+    source, out = checkpoint_dir(store, policy), w.local_dir()
+    for item in source.iterdir():
+        # The parent's descriptive row, manifest and curves are its own, not this artifact's.
+        if item.name in (MANIFEST, TRAIN_LOG, REF_LOGPS) or item.suffix in (".parquet", ".png"):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, out / item.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(item, out / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return write_checkpoint(
+        w, None, tokenizer, policy=stage, round=round, parent=policy.id,
+        base=policy.summary.get("base", ""), summary={"skipped": reason},
+        save_model=False, num_params=policy.summary["num_params"],
+    )  # fmt: skip
+
+
+def _write_ref_logps(
+    path: Path, pairs: pl.DataFrame, chosen: list[float], rejected: list[float]
+) -> None:
+    columns = {
+        "pair": list(range(len(pairs))),
+        **{
+            c: pairs[c].to_list()
+            for c in ("task_id", "env", "kind", "chosen_sample_idx", "rejected_sample_idx")
+        },
+        "ref_chosen_logp": chosen,
+        "ref_rejected_logp": rejected,
+    }
+    pq.write_table(pa.Table.from_pydict(columns, schema=REF_SCHEMA), path)
+
+
+def _reference_device() -> str:
+    """This rank's accelerator ('cpu' on a CPU box), where the training will put the policy."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def run(
+    cfg: Config,
+    store: Store,
+    policy: ArtifactRef,
+    pairs: ArtifactRef,
+    *,
+    round: int,
+    log=None,
+    force: bool = False,
+) -> ArtifactRef:
+    dc: DpoConfig = cfg.dpo  # type: ignore[attr-defined]
+    w = store.writer(
+        "checkpoints",
+        stage="dpo",
+        round=round,
+        config=artifact_config(cfg, round),
+        inputs=[policy.id, pairs.id],
+        force=force,
+    )
+    if w.cached:
+        return w.ref
+    frame = pl.from_arrow(store.read(pairs))
+    assert isinstance(frame, pl.DataFrame)
+    if frame.is_empty():
+        return unchanged_checkpoint(w, store, policy, stage="dpo", round=round, reason="no pairs")
+
+    model, tokenizer = load_policy(store, policy)
+    rows = frame.select(
+        "prompt", "chosen", "rejected", "chosen_turn_token_ids", "rejected_turn_token_ids"
+    ).iter_rows(named=True)
+    examples: list[dict[str, Any]] = [pair_example(tokenizer, row) for row in rows]
+    tc = train_config(dc, round, cfg.run.seed)
+    out = w.local_dir()
+    ref_model = None
+    if dc.reference == "precomputed":
+        # On the device the training will use, truncated as the training will see the pairs.
+        model.to(_reference_device())
+        chosen, rejected = compute_ref_logps(
+            model, examples, batch_size=tc.micro_batch_size, max_length=tc.max_length
+        )
+        examples = [
+            ex | {"ref_chosen_logp": c, "ref_rejected_logp": r}
+            for ex, c, r in zip(examples, chosen, rejected, strict=True)
+        ]
+        _write_ref_logps(out / REF_LOGPS, frame, chosen, rejected)
+    else:
+        ref_model = copy.deepcopy(model)
+
+    num_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"dpo: round {round}, {len(examples)} pairs from {pairs.id}, beta {tc.beta}, lr {tc.lr:g}, "
+        f"{dc.reference} reference"
+    )
+    result = train(model, examples, loss="dpo", cfg=tc, out_dir=out, ref_model=ref_model, log=log)
+    write_train_log(out, result.history)
+    summary = {
+        "pairs": len(examples),
+        "beta": tc.beta,
+        "lr": tc.lr,
+        "reward_accuracy": last_epoch_mean(result.history, "accuracy"),
+        "chosen_reward": last_epoch_mean(result.history, "chosen_reward"),
+        "rejected_reward": last_epoch_mean(result.history, "rejected_reward"),
+        "train_time_s": result.train_time_s,
+    }
+    summary["reward_margin"] = summary["chosen_reward"] - summary["rejected_reward"]
+    return write_checkpoint(
+        w, model, tokenizer, policy="dpo", round=round, parent=policy.id,
+        base=policy.summary.get("base", ""), train_steps=result.steps,
+        final_loss=result.final_loss, summary=summary, save_model=False, num_params=num_params,
+    )  # fmt: skip

@@ -1,0 +1,205 @@
+"""Stage ``grpo``: group-relative policy optimisation on the pareto stage's selected groups
+(ET-Agent, Trinity multi-step; ALGORITHMS.md, "GRPO").
+
+Every trajectory of a group (the K rollouts of one task) gets the advantage
+``(R - mean_group) / (std_group + 1e-6)``, broadcast to every token the policy sampled in it. The
+loss is PPO's clipped ratio against the behaviour log-probs stored at rollout time: each turn's
+``turn_logprobs`` are placed on the positions of its ``turn_token_ids`` in the encoded
+conversation (those positions are exactly the loss mask; a trajectory where they disagree is an
+error, never silently re-aligned). Groups whose rewards are all equal carry no signal and are
+dropped (``drop_flat_groups``); a group of one is flat.
+
+``efficiency_reward`` replaces R with ET-Agent's ``raw * f_tool * f_len + f_format`` (raw = the env
+reward, n = valid tool calls (``tool_ok``), length = generated tokens, format broken = finish
+reason invalid or error, or any invalid action). Its ``s_tool`` and ``s_len`` anneal linearly over
+the flywheel rounds: round r uses ``s * (1 - (r - 1) / run.rounds)``, full strength in round 1.
+
+No groups left (none selected, or all flat): the stage warns and writes a checkpoint identical to
+its input with ``skipped`` in the summary, as dpo does.
+
+    flywheel stage grpo --round 1
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import polars as pl
+
+from flywheel.chat import align_turn_ids, encode_chat
+from flywheel.checkpoint import load_policy, write_checkpoint
+from flywheel.config import Config, GrpoConfig
+from flywheel.store import ArtifactRef, Store
+from flywheel.training.loop import TrainConfig, train
+from flywheel.training.losses import anneal, efficiency_reward, group_advantages
+from stages.dpo import unchanged_checkpoint, write_train_log
+
+BROKEN_FORMAT = ("invalid", "error")
+# Fields of the section that are not TrainConfig fields.
+OWN_FIELDS = {"efficiency_reward", "s_tool", "s_len", "drop_flat_groups"}
+
+
+
+def sharpness(gc: GrpoConfig, round: int, rounds: int) -> tuple[float, float]:
+    """(s_tool, s_len) of this round: full in round 1, then linearly less, 0 after run.rounds."""
+    return anneal(gc.s_tool, round - 1, rounds), anneal(gc.s_len, round - 1, rounds)
+
+
+def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
+    """What the artifact id hashes: the section, the seed and, with the efficiency reward on,
+    the sharpness this round resolved (it depends on run.rounds)."""
+    gc: GrpoConfig = cfg.grpo  # type: ignore[attr-defined]
+    resolved = sharpness(gc, round, cfg.run.rounds) if gc.efficiency_reward else None
+    return {"grpo": gc.model_dump(), "sharpness": resolved, "seed": cfg.run.seed}
+
+
+def rewards(frame: pl.DataFrame, gc: GrpoConfig, s_tool: float, s_len: float) -> list[float]:
+    """The reward each trajectory is trained on: the env reward, or the efficiency reward."""
+    raw = frame["reward"].fill_null(0.0).to_list()
+    if not gc.efficiency_reward:
+        return raw
+    format_ok = [
+        reason not in BROKEN_FORMAT and invalid == 0
+        for reason, invalid in zip(frame["finish_reason"], frame["invalid_actions"], strict=True)
+    ]
+    shaped = efficiency_reward(
+        raw, frame["tool_ok"].to_list(), frame["tokens"].to_list(), group_keys(frame),
+        format_ok, s_tool=s_tool, s_len=s_len,
+    )  # fmt: skip
+    return shaped.tolist()
+
+
+def group_keys(frame: pl.DataFrame) -> list[tuple[str, str]]:
+    return list(zip(frame["env"].to_list(), frame["task_id"].to_list(), strict=True))
+
+
+def trajectory_example(tokenizer: Any, row: dict[str, Any], advantage: float) -> dict[str, Any]:
+    """A groups row -> the loop's grpo example: every sampled turn trained, on its stored ids,
+    with its stored behaviour log-prob at the same position (0 elsewhere)."""
+    where = f"grpo: trajectory {row['env']}/{row['task_id']} sample {row['sample_idx']}"
+    stored_ids, stored_lps = row["turn_token_ids"] or [], row["turn_logprobs"] or []
+    if len(stored_ids) != len(stored_lps) or any(
+        len(i) != len(lp) for i, lp in zip(stored_ids, stored_lps, strict=False)
+    ):
+        raise ValueError(f"{where}: turn_token_ids and turn_logprobs differ in shape")
+    turn_ids = align_turn_ids(row["messages"], stored_ids)
+    # Train exactly the sampled turns (the assistant messages with stored ids), nothing else.
+    messages, turn = [], 0
+    for m in row["messages"]:
+        sampled = m["role"] == "assistant" and bool(turn_ids[turn])
+        turn += m["role"] == "assistant"
+        messages.append({**m, "loss": sampled})
+    ids, mask = encode_chat(tokenizer, messages, turn_ids)
+    flat_ids = [t for turn_ids_ in stored_ids for t in turn_ids_]
+    flat_lps = [lp for turn_lps in stored_lps for lp in turn_lps]
+    trained = [i for i, m in enumerate(mask) if m]
+    if [ids[i] for i in trained] != flat_ids:
+        raise ValueError(
+            f"{where}: the loss mask covers {len(trained)} tokens but {len(flat_ids)} ids were "
+            "stored (or they differ): the conversation does not encode to its sampled ids"
+        )
+    old = [0.0] * len(ids)
+    for i, lp in zip(trained, flat_lps, strict=True):
+        old[i] = float(lp)
+    return {"input_ids": ids, "loss_mask": mask, "old_logprobs": old, "advantage": float(advantage)}
+
+
+def prepare(
+    frame: pl.DataFrame, gc: GrpoConfig, s_tool: float, s_len: float
+) -> tuple[pl.DataFrame, dict[str, int]]:
+    """Rewards and advantages per trajectory; flat groups dropped when asked. Returns the kept
+    rows (with ``train_reward`` and ``advantage`` columns) and counts for the summary."""
+    frame = frame.with_columns(
+        train_reward=pl.Series(rewards(frame, gc, s_tool, s_len), dtype=pl.Float64)
+    )
+    spread = pl.col("train_reward").max().over("env", "task_id") - pl.col(
+        "train_reward"
+    ).min().over("env", "task_id")
+    flat = frame.select(spread == 0).to_series()
+    n_groups = frame.select(pl.struct("env", "task_id").n_unique()).item()
+    flat_groups = frame.filter(flat).select(pl.struct("env", "task_id").n_unique()).item()
+    if gc.drop_flat_groups:
+        frame = frame.filter(~flat)
+    advantages = group_advantages(frame["train_reward"].to_list(), group_keys(frame))
+    frame = frame.with_columns(advantage=pl.Series(advantages.tolist(), dtype=pl.Float64))
+    counts = {"groups_in": n_groups, "groups_flat": flat_groups}
+    return frame, counts
+
+
+def run(
+    cfg: Config,
+    store: Store,
+    policy: ArtifactRef,
+    groups: ArtifactRef,
+    *,
+    round: int,
+    log=None,
+    force: bool = False,
+) -> ArtifactRef:
+    gc: GrpoConfig = cfg.grpo  # type: ignore[attr-defined]
+    w = store.writer(
+        "checkpoints",
+        stage="grpo",
+        round=round,
+        config=artifact_config(cfg, round),
+        inputs=[policy.id, groups.id],
+        force=force,
+    )
+    if w.cached:
+        return w.ref
+    s_tool, s_len = sharpness(gc, round, cfg.run.rounds)
+    frame = pl.from_arrow(store.read(groups))
+    assert isinstance(frame, pl.DataFrame)
+    if frame.is_empty():
+        return unchanged_checkpoint(w, store, policy, stage="grpo", round=round, reason="no groups")
+    frame, counts = prepare(frame, gc, s_tool, s_len)
+    if frame.is_empty():
+        return unchanged_checkpoint(
+            w, store, policy, stage="grpo", round=round, reason="all groups flat"
+        )
+    behaviour = set(frame["policy"].unique().to_list())
+    if behaviour != {policy.id}:
+        # Legal (a curriculum stage starts from the previous stage's checkpoint), but the ratios
+        # start away from 1 and PPO's clip does more of the work.
+        print(
+            f"grpo: note: groups were sampled by {sorted(behaviour)}, training starts from {policy.id}"
+        )
+
+    model, tokenizer = load_policy(store, policy)
+    rows = frame.select(
+        "env", "task_id", "sample_idx", "messages", "turn_token_ids", "turn_logprobs", "advantage"
+    )
+    examples = [
+        trajectory_example(tokenizer, row, row["advantage"]) for row in rows.iter_rows(named=True)
+    ]
+    tc = TrainConfig(**gc.model_dump(exclude=OWN_FIELDS), seed=cfg.run.seed)
+    ref_model = copy.deepcopy(model) if gc.kl_coef > 0 else None
+    out = w.local_dir()
+    num_params = sum(p.numel() for p in model.parameters())
+    used = counts["groups_in"] - (counts["groups_flat"] if gc.drop_flat_groups else 0)
+    print(
+        f"grpo: round {round}, {used} groups ({counts['groups_flat']} flat), {len(examples)} "
+        f"trajectories from {groups.id}"
+        + (f", efficiency reward s_tool {s_tool:g} s_len {s_len:g}" if gc.efficiency_reward else "")
+    )
+    result = train(model, examples, loss="grpo", cfg=tc, out_dir=out, ref_model=ref_model, log=log)
+    write_train_log(out, result.history)
+    history = result.history
+    summary = {
+        "groups": used,
+        "groups_flat": counts["groups_flat"],
+        "trajectories": len(examples),
+        "mean_abs_advantage": float(frame["advantage"].abs().mean()),  # type: ignore[arg-type]
+        "mean_reward": float(frame["train_reward"].mean()),  # type: ignore[arg-type]
+        "clip_fraction": sum(h["clip_fraction"] for h in history) / len(history),
+        "first_ratio": history[0]["ratio"],
+        "train_time_s": result.train_time_s,
+    }
+    if gc.efficiency_reward:
+        summary |= {"s_tool": s_tool, "s_len": s_len}
+    return write_checkpoint(
+        w, model, tokenizer, policy="grpo", round=round, parent=policy.id,
+        base=policy.summary.get("base", ""), train_steps=result.steps,
+        final_loss=result.final_loss, summary=summary, save_model=False, num_params=num_params,
+    )  # fmt: skip

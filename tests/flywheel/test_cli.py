@@ -1,0 +1,237 @@
+"""``flywheel`` through ``flywheel.cli.main``: every error is one line on stderr starting with
+``flywheel: error:`` and a non-zero exit, and a failed command leaves nothing half-written; plus
+the read-only commands (artifacts ls / show / lineage, config --fields) on a real small store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+import stages.expert
+import stages.tasks
+from flywheel.cli import main
+from flywheel.config import field_help, load_config
+from flywheel.report import STATE_FILE
+from flywheel.store import Store
+from tests.conftest import write_tiny_yaml
+
+
+@pytest.fixture
+def small_store(tmp_path):
+    """tasks and expert artifacts of the tiny config, and its YAML file."""
+    path = write_tiny_yaml(tmp_path)
+    cfg = load_config(path)
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    tasks = stages.tasks.run(cfg, store)
+    expert = stages.expert.run(cfg, store, tasks)
+    return path, store, tasks, expert
+
+
+def folders(root: Path) -> set[str]:
+    """Every file and folder under the store (a failed command must add none)."""
+    return {str(p.relative_to(root)) for p in root.rglob("*")} if root.exists() else set()
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, err: str, *needles: str) -> str:
+    assert rc != 0
+    lines = err.splitlines()
+    assert len(lines) == 1, f"stderr is not one line:\n{err}"
+    assert lines[0].startswith("flywheel: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+# -- config errors -------------------------------------------------------------------------------
+
+
+def test_unknown_override_key_is_one_line_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/default.yaml here: the built-in defaults
+    before = folders(tmp_path)
+    rc, out, err = run_cli(capsys, "run", "nope.x=1")
+    assert_one_line_error(rc, err, "unknown key nope")
+    assert out == ""
+    assert folders(tmp_path) == before  # no work/ folder, no store, no Prefect database
+
+
+def test_unknown_key_in_yaml_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  rounds: 1\nsft:\n  lrr: 0.1\n")
+    for argv in (
+        ["run", "--config", str(bad)],
+        ["stage", "sft", "--round", "0", "--config", str(bad)],
+        ["config", "--config", str(bad)],
+        ["report", "--config", str(bad)],
+    ):
+        rc, _, err = run_cli(capsys, *argv)
+        assert_one_line_error(rc, err, "unknown key sft.lrr")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_bad_value_and_missing_file(tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "config", "sft.lr=-1")
+    assert_one_line_error(rc, err, "sft.lr")
+    rc, _, err = run_cli(capsys, "config", "--config", str(tmp_path / "none.yaml"))
+    assert_one_line_error(rc, err, "no such file")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("run: [unclosed\n")
+    rc, _, err = run_cli(capsys, "config", "--config", str(broken))
+    assert_one_line_error(rc, err, "not valid YAML")
+
+
+# -- artifact errors ----------------------------------------------------------------------------
+
+
+def test_missing_artifact(small_store, capsys):
+    path, store, _, _ = small_store
+    before = folders(Path(store.base))
+    rc, out, err = run_cli(capsys, "artifacts", "--config", str(path), "show", "stage-nope")
+    assert_one_line_error(rc, err, "no artifact stage-nope")
+    assert out == ""
+    rc, _, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "lineage", "expert-000000000000"
+    )
+    assert_one_line_error(rc, err, "no artifact expert-000000000000")
+    assert folders(Path(store.base)) == before
+
+
+def test_truncated_shard(small_store, capsys):
+    path, store, _, expert = small_store
+    shard = Path(expert.path) / expert.manifest["shards"][0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = folders(Path(store.base))
+    rc, _, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "2"
+    )
+    assert_one_line_error(rc, err, "corrupted shard", shard.name)
+    assert folders(Path(store.base)) == before
+
+
+def test_missing_shard(small_store, capsys):
+    path, _, _, expert = small_store
+    shard = Path(expert.path) / expert.manifest["shards"][0]
+    shard.unlink()
+    rc, _, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "1"
+    )
+    assert_one_line_error(rc, err, f"artifact {expert.id} is missing shard")
+
+
+def test_broken_manifest(small_store, capsys):
+    path, store, tasks, expert = small_store
+    manifest = Path(expert.path) / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    state = Path(store.base) / STATE_FILE
+    state.write_text(json.dumps({"evaluations": [expert.id]}))
+    before = folders(Path(store.base))
+    for argv in (
+        ["artifacts", "--config", str(path), "show", expert.id],
+        ["artifacts", "--config", str(path), "ls"],
+        ["artifacts", "--config", str(path), "lineage", expert.id],
+    ):
+        rc, _, err = run_cli(capsys, *argv)
+        assert_one_line_error(rc, err, "corrupted manifest", expert.id)
+    # the report names the evaluations of the last run; one of them is the broken artifact
+    rc, _, err = run_cli(capsys, "report", "--config", str(path))
+    assert_one_line_error(rc, err, "corrupted manifest")
+    state.write_text(json.dumps({"evaluations": [tasks.id]}))
+    rc, _, err = run_cli(capsys, "report", "--json", "--config", str(path))
+    assert_one_line_error(rc, err, f"artifact {tasks.id} is not an eval artifact")
+    assert folders(Path(store.base)) == before
+
+
+def test_schema_mismatch_names_file_column_and_type(small_store, capsys):
+    path, _, _, expert = small_store
+    shard = Path(expert.path) / expert.manifest["shards"][0]
+    table = pq.read_table(shard)
+    idx = table.schema.get_field_index("reward")
+    table = table.set_column(
+        idx, "reward", pa.array([str(v) for v in table.column("reward").to_pylist()])
+    )
+    pq.write_table(table, shard)
+    rc, out, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "3"
+    )
+    line = assert_one_line_error(rc, err, "schema mismatch", shard.name, "'reward'", "double")
+    assert "string" in line
+    # the manifest was printed before the rows were read; no rows were
+    assert json.loads(out)["id"] == expert.id
+
+
+def test_manifest_schema_version_mismatch(small_store, capsys):
+    path, _, _, expert = small_store
+    manifest = Path(expert.path) / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["schema_version"] = 99
+    manifest.write_text(json.dumps(data))
+    rc, _, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "1"
+    )
+    assert_one_line_error(rc, err, "schema mismatch", "v99")
+
+
+# -- the read-only commands ---------------------------------------------------------------------
+
+
+def test_artifacts_ls_show_lineage(small_store, capsys):
+    path, store, tasks, expert = small_store
+    rc, out, err = run_cli(capsys, "artifacts", "--config", str(path), "ls")
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert len(lines) == 2
+    assert tasks.id in lines[0] and "rows=32" in lines[0] and "tasks" in lines[0]
+    assert expert.id in lines[1] and "rows=24" in lines[1] and "trajectories" in lines[1]
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--stage", "expert")
+    assert rc == 0 and out.splitlines() == [lines[1]]
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--round", "1")
+    assert rc == 0 and out == ""
+
+    rc, out, _ = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "2"
+    )
+    assert rc == 0
+    manifest_text, _, rows_text = out.partition("\n}\n")
+    manifest = json.loads(manifest_text + "\n}")
+    assert (
+        manifest["id"] == expert.id and manifest["rows"] == 24 and manifest["inputs"] == [tasks.id]
+    )
+    assert len(rows_text.strip().splitlines()) == 3  # header + 2 rows
+    assert "expert" in rows_text
+
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "lineage", expert.id)
+    assert rc == 0
+    lines = out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(expert.id) and "[trajectories, round 0]" in lines[0]
+    assert "arith/oracle_success=" in lines[0]
+    assert lines[1].startswith("  " + tasks.id) and "[tasks, round 0]" in lines[1]
+
+
+def test_config_fields_and_dump(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "config", "--fields")
+    assert rc == 0 and err == ""
+    keys = [line.split()[0] for line in out.splitlines()]
+    assert keys == [k for k, _ in field_help()]
+    assert {"sft.lr", "explore.samples_per_task", "envs.<name>.n_train", "tracking.uri"} <= set(
+        keys
+    )
+    assert all(len(line.split(None, 1)) == 2 for line in out.splitlines()), (
+        "a field has no help text"
+    )
+    path = write_tiny_yaml(tmp_path)
+    rc, out, _ = run_cli(capsys, "config", "--config", str(path), "sft.lr=0.5")
+    assert rc == 0
+    dumped = load_config(None).model_validate(yaml.safe_load(out))
+    assert dumped.sft.lr == 0.5 and dumped.envs[0].n_train == 24

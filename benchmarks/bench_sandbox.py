@@ -3,37 +3,41 @@
 side by side, sequentially and from a pool of threads, on the code the arith expert runs.
 
     .venv/bin/python -m benchmarks.bench_sandbox                    # 200 calls per cell, 8 threads
-    .venv/bin/python -m benchmarks.bench_sandbox --calls 500 --threads 16
+    .venv/bin/python -m benchmarks.bench_sandbox --calls 500 --threads 16 --expert 2000
 
 Per cell: mean, median and p95 latency of one call as its caller sees it (waiting for one of the
 sandbox's ``MAX_CONCURRENT`` slots included), and wall time / calls (the inverse of throughput).
-Every output is checked. The fork server is started before timing: its start (~50 ms, once per
-process) is printed separately.
+Every output is checked. The fork server is started before timing: its start (~30-50 ms, once
+per process) is printed separately. ``--expert N`` also times the expert stage's work on N arith
+train tasks (``flywheel.agent.expert_episodes``: every tool call through ``ArithEnv``, 8 env
+workers) in each mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from flywheel.envs import sandbox
-from flywheel.envs.sandbox import run_python
+from flywheel.agent import expert_episodes
+from flywheel.envs import arith, sandbox
+from flywheel.envs.sandbox import Mode, run_python
 
-MODES = ("fork", "spawn")
+MODES: tuple[Mode, ...] = ("fork", "spawn")
 
 
-def _call(mode: str, i: int) -> float:
+def _call(mode: Mode, i: int) -> float:
     start = time.perf_counter()
-    result = run_python(f"print({i} * 7 + 12)", timeout_s=5.0, mode=mode)  # type: ignore[arg-type]
+    result = run_python(f"print({i} * 7 + 12)", timeout_s=5.0, mode=mode)
     elapsed = time.perf_counter() - start
     if result.output != f"{i * 7 + 12}\n":
         raise RuntimeError(f"{mode} call {i} returned {result}")
     return elapsed
 
 
-def _cell(mode: str, calls: int, threads: int) -> dict[str, float]:
+def _cell(mode: Mode, calls: int, threads: int) -> dict[str, float]:
     start = time.perf_counter()
     if threads == 1:
         latencies = [_call(mode, i) for i in range(calls)]
@@ -50,10 +54,33 @@ def _cell(mode: str, calls: int, threads: int) -> dict[str, float]:
     }
 
 
+def _expert(n: int) -> None:
+    suite = arith.ArithSuite()
+    tasks = suite.tasks("train", n, seed=0)
+    print(f"\nexpert_episodes on {n} arith tasks, 8 env workers")
+    times = {}
+    for mode in MODES:
+        arith.run_python = functools.partial(run_python, mode=mode)
+        try:
+            start = time.perf_counter()
+            rows = expert_episodes(suite, tasks)
+            times[mode] = time.perf_counter() - start
+        finally:
+            arith.run_python = run_python
+        calls = sum(len(suite.expert(t)) - 1 for t in tasks)
+        success = sum(r["success"] for r in rows) / len(rows)
+        print(
+            f"{mode:6} {times[mode]:7.2f} s  {1e3 * times[mode] / calls:6.2f} ms per tool call "
+            f"({calls} calls, oracle success {success:.0%})"
+        )
+    print(f"spawn/fork {times['spawn'] / times['fork']:.1f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200, help="calls per mode and setting")
     parser.add_argument("--threads", type=int, default=8, help="threads of the parallel setting")
+    parser.add_argument("--expert", type=int, default=0, help="also time N arith expert episodes")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -74,6 +101,8 @@ def main() -> None:
         for metric in ("mean", "p50", "p95", "wall/call"):
             fork, spawn = results[setting, "fork"][metric], results[setting, "spawn"][metric]
             print(f"{setting:14}{metric:11}{fork:>9.2f}{spawn:>9.2f}{spawn / fork:>11.1f}x")
+    if args.expert:
+        _expert(args.expert)
 
 
 if __name__ == "__main__":

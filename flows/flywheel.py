@@ -189,14 +189,19 @@ def iteration_flow(config: str | None = None, overrides: list[str] | None = None
     return ref.id if ref else None
 
 
+def check_stage(name: str, round: int) -> None:
+    """Raise a one-line ValueError when ``name`` is not a stage or does not run in ``round``."""
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    if round < 0 or round == 0 and name in ROUNDS_ONLY or round > 0 and name in BOOTSTRAP_ONLY:
+        raise ValueError(f"stage {name} does not run in round {round}")
+
+
 @flow(name="stage", validate_parameters=False)
 def stage_flow(name: str, round: int = 0, config: str | None = None, overrides: list[str] | None = None,
                force: bool = False) -> str:
     """One stage of one round (``force`` writes a new version even when nothing changed)."""
-    if name not in STAGES:
-        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
-    if round == 0 and name in ROUNDS_ONLY or round > 0 and name in BOOTSTRAP_ONLY:
-        raise ValueError(f"stage {name} does not run in round {round}")
+    check_stage(name, round)
     plan = _plan(config, list(overrides or []), stop_at=(name, round))
     if force:
         plan.force.add((name, round))

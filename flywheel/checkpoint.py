@@ -6,12 +6,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 from data_contracts.checkpoints import REQUIRED_FILES
-from flywheel.store import ArtifactError, ArtifactRef, ArtifactWriter, Store
+from flywheel.store import MANIFEST, ArtifactError, ArtifactRef, ArtifactWriter, Store
+
+TRAIN_LOG = "train_log.jsonl"  # per-step training metrics next to the weights
 
 
 def write_checkpoint(
@@ -75,3 +79,38 @@ def load_policy(store: Store, ref: ArtifactRef) -> tuple[Any, Any]:
         raise ArtifactError(f"checkpoint {ref.id} at {folder} cannot be loaded: {str(err).splitlines()[0]}") from None
     model.eval()
     return model, tokenizer
+
+
+def write_train_log(folder: Path, history: list[dict[str, Any]]) -> None:
+    """Per-step metrics next to the weights; the tracker logs them to MLflow as curves."""
+    with open(folder / TRAIN_LOG, "w") as fh:
+        for entry in history:
+            fh.write(json.dumps(entry) + "\n")
+
+
+def unchanged_checkpoint(
+    w: ArtifactWriter, store: Store, policy: ArtifactRef, *, stage: str, round: int, reason: str
+) -> ArtifactRef:
+    """Commit a copy of ``policy`` (weights, config and tokenizer files) as this stage's output,
+    with ``skipped: reason`` in the summary: a round without training data passes its policy on."""
+    from transformers import AutoTokenizer
+
+    print(
+        f"{stage}: WARNING round {round}: {reason}; the policy {policy.id} is passed on unchanged",
+        flush=True,
+    )
+    source, out = checkpoint_dir(store, policy), w.local_dir()
+    for item in source.iterdir():
+        # The parent's descriptive row, manifest and curves are its own, not this artifact's.
+        if item.name in (MANIFEST, TRAIN_LOG) or item.suffix in (".parquet", ".png"):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, out / item.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(item, out / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return write_checkpoint(
+        w, None, tokenizer, policy=stage, round=round, parent=policy.id,
+        base=policy.summary.get("base", ""), summary={"skipped": reason},
+        save_model=False, num_params=policy.summary["num_params"],
+    )  # fmt: skip

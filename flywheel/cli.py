@@ -32,7 +32,9 @@ def _environment() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The first start of the in-process server migrates its SQLite database: slow on 2 busy cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # Progress is printed by the flows themselves; Prefect's own logs would add a traceback in
+    # front of every one-line error. PREFECT_LOGGING_LEVEL=INFO brings them back.
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
@@ -83,7 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("--fields", action="store_true", help="list every key with its help text")
     cfg.add_argument("overrides", nargs="*")
 
-    sub.add_parser("serve", help="start a Prefect server and worker on 127.0.0.1 and deploy the flows")
+    srv = sub.add_parser("serve", help="start a Prefect server and worker on 127.0.0.1 and deploy the flows")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=4200)
+    srv.add_argument("--pool", default="flywheel-local", help="process work pool to create and serve")
     return p
 
 
@@ -127,6 +132,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         # A bad config is a one-line error here; inside the flow Prefect would first log a
         # traceback (and start its server) before the error reached us.
         load_config(_config_path(args.config), args.overrides)
+        if args.command == "stage":
+            from flows.flywheel import check_stage
+
+            check_stage(args.name, args.round)
     if args.command == "run":
         from flows.flywheel import flywheel_flow
 
@@ -171,7 +180,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from flywheel.serve import serve
 
-        return serve()
+        return serve(host=args.host, port=args.port, pool=args.pool)
     raise AssertionError(args.command)
 
 

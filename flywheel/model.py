@@ -68,6 +68,15 @@ def train_tokenizer(texts: Iterable[str], *, min_frequency: int = 1) -> PreTrain
     counts: Counter[str] = Counter()
     for text in texts:
         counts.update(piece for piece, _ in pre_tokenizer.pre_tokenize_str(text))
+    # A word seen mid-sentence (" has") may open a message ("has"), and the other way round:
+    # both forms join the vocabulary so neither becomes <|unk|>.
+    # A word counts once per use, whichever form it took.
+    words: Counter[str] = Counter()
+    for piece, n in counts.items():
+        if piece.lstrip(" ").isidentifier() and len(piece) - len(piece.lstrip(" ")) <= 1:
+            words[piece.lstrip(" ")] += n
+    for word, n in words.items():
+        counts[word] = counts[" " + word] = n
 
     pieces = _base_vocabulary()
     known = set(pieces)

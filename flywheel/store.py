@@ -167,7 +167,7 @@ class Store:
         r = "*" if round is None else str(round)
         s = stage or "*"
         refs = [self._load(p.rsplit("/", 1)[0]) for p in self.fs.glob(f"{self.base}/round-{r}/{s}/*/{MANIFEST}")]
-        return sorted(refs, key=lambda ref: (ref.round, ref.manifest.get("created", "")))
+        return sorted(refs, key=lambda ref: (ref.round, ref.manifest.get("created", ""), ref.id))
 
     def get(self, artifact_id: str) -> ArtifactRef:
         """Find an artifact by id anywhere in this run."""
@@ -328,7 +328,7 @@ class ArtifactWriter:
             "config_hash": self.id.split("-", 1)[1].split(".")[0],
             "config": self.config,
             "code_version": code_version(),
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="microseconds"),
             "summary": summary or {},
             **(extra or {}),
         }

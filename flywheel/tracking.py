@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flywheel.checkpoint import TRAIN_LOG
 from flywheel.store import ArtifactRef, Store
-
-TRAIN_LOG = "train_log.jsonl"
 
 
 class Tracker:

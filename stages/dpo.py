@@ -24,9 +24,7 @@ evaluates and the next round explores again from the same policy.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +33,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flywheel.chat import align_turn_ids, encode_chat
-from flywheel.checkpoint import checkpoint_dir, load_policy, write_checkpoint
+from flywheel.checkpoint import (
+    load_policy,
+    unchanged_checkpoint,
+    write_checkpoint,
+    write_train_log,
+)
 from flywheel.config import Config, DpoConfig
-from flywheel.store import MANIFEST, ArtifactRef, ArtifactWriter, Store
+from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import TrainConfig, compute_ref_logps, train
 
-TRAIN_LOG = "train_log.jsonl"
 REF_LOGPS = "ref_logps.parquet"
 REF_SCHEMA = pa.schema(
     [
@@ -109,48 +111,10 @@ def pair_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, list[int]]:
     }
 
 
-def write_train_log(folder: Path, history: list[dict[str, Any]]) -> None:
-    """Per-step metrics next to the weights; the tracker logs them as curves (its names for the
-    loss's own stats are ``reward_acc`` and ``clip_frac``, so those are added as aliases)."""
-    aliases = {"accuracy": "reward_acc", "clip_fraction": "clip_frac"}
-    with open(folder / TRAIN_LOG, "w") as fh:
-        for entry in history:
-            extra = {alias: entry[key] for key, alias in aliases.items() if key in entry}
-            fh.write(json.dumps(entry | extra) + "\n")
-
-
 def last_epoch_mean(history: list[dict[str, Any]], key: str) -> float:
     """Mean of a per-step stat over the last epoch (the last step alone may hold a single pair)."""
     last = [h[key] for h in history if h["epoch"] == history[-1]["epoch"]]
     return float(sum(last) / len(last))
-
-
-def unchanged_checkpoint(
-    w: ArtifactWriter, store: Store, policy: ArtifactRef, *, stage: str, round: int, reason: str
-) -> ArtifactRef:
-    """Commit a copy of ``policy`` (weights, config and tokenizer files) as this stage's output,
-    with ``skipped: reason`` in the summary: a round without training data passes its policy on."""
-    from transformers import AutoTokenizer
-
-    print(
-        f"{stage}: WARNING round {round}: {reason}; the policy {policy.id} is passed on unchanged",
-        flush=True,
-    )
-    source, out = checkpoint_dir(store, policy), w.local_dir()
-    for item in source.iterdir():
-        # The parent's descriptive row, manifest and curves are its own, not this artifact's.
-        if item.name in (MANIFEST, TRAIN_LOG, REF_LOGPS) or item.suffix in (".parquet", ".png"):
-            continue
-        if item.is_dir():
-            shutil.copytree(item, out / item.name, dirs_exist_ok=True)
-        else:
-            shutil.copy2(item, out / item.name)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    return write_checkpoint(
-        w, None, tokenizer, policy=stage, round=round, parent=policy.id,
-        base=policy.summary.get("base", ""), summary={"skipped": reason},
-        save_model=False, num_params=policy.summary["num_params"],
-    )  # fmt: skip
 
 
 def _write_ref_logps(

@@ -28,12 +28,11 @@ from typing import Any
 import polars as pl
 
 from flywheel.chat import align_turn_ids, encode_chat
-from flywheel.checkpoint import load_policy, write_checkpoint
+from flywheel.checkpoint import load_policy, unchanged_checkpoint, write_checkpoint, write_train_log
 from flywheel.config import Config, GrpoConfig
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import TrainConfig, train
 from flywheel.training.losses import anneal, efficiency_reward, group_advantages
-from stages.dpo import unchanged_checkpoint, write_train_log
 
 BROKEN_FORMAT = ("invalid", "error")
 # Fields of the section that are not TrainConfig fields.

@@ -9,19 +9,15 @@ assistant turns with ``loss=true`` are trained; sampled turns are trained on the
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from flywheel.chat import align_turn_ids, encode_chat
-from flywheel.checkpoint import load_policy, write_checkpoint
+from flywheel.checkpoint import load_policy, unchanged_checkpoint, write_checkpoint, write_train_log
 from flywheel.config import Config, TrainSection
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import TrainConfig, train
-
-TRAIN_LOG = "train_log.jsonl"
 
 
 def train_config(section: TrainSection, seed: int, **extra: Any) -> TrainConfig:
@@ -39,13 +35,6 @@ def examples_from(store: Store, data: list[ArtifactRef], tokenizer: Any) -> list
         ids, mask = encode_chat(tokenizer, row["messages"], turn_ids)
         examples.append({"input_ids": ids, "loss_mask": mask})
     return examples
-
-
-def write_train_log(folder: Path, history: list[dict[str, Any]]) -> None:
-    """Per-step metrics next to the weights; the flow logs them to MLflow as curves."""
-    with open(folder / TRAIN_LOG, "w") as fh:
-        for entry in history:
-            fh.write(json.dumps(entry) + "\n")
 
 
 def run(
@@ -71,7 +60,10 @@ def run(
     model, tokenizer = load_policy(store, policy)
     examples = examples_from(store, data, tokenizer)
     if not examples:
-        raise ValueError(f"sft round {round}: no trajectories to train on in {[d.id for d in data]}")
+        if round == 0:
+            raise ValueError(f"sft round 0: no trajectories to train on in {[d.id for d in data]}")
+        # A round whose exploration found no success has nothing to imitate: pass the policy on.
+        return unchanged_checkpoint(w, store, policy, stage="sft", round=round, reason="no successful trajectories")
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")

@@ -16,6 +16,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +43,11 @@ Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 import pytest  # noqa: E402
 
 from flywheel.config import Config, dump_config, load_config  # noqa: E402
+from flywheel.store import Store  # noqa: E402
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)  # Prefect's database of this session
 
 
 def tiny_overrides(root: Path, *extra: str) -> list[str]:
@@ -103,6 +109,7 @@ class FlywheelRun:
     printed: str
     seconds: float
     report: list[dict]
+    artifacts: set[str]  # ids in the store right after the run
 
     @property
     def lines(self) -> list[tuple[int, str, bool, str]]:
@@ -134,4 +141,6 @@ def tiny_flywheel(tmp_path_factory) -> FlywheelRun:
     root = tmp_path_factory.mktemp("flywheel")
     overrides = tiny_overrides(root)
     printed, seconds, rows = run_flywheel(overrides, rounds=1)
-    return FlywheelRun(root, overrides, printed, seconds, rows)
+    cfg = load_config(None, overrides)
+    ids = {ref.id for ref in Store(cfg.run.store_root(), cfg.run.name).list()}
+    return FlywheelRun(root, overrides, printed, seconds, rows, ids)

@@ -33,25 +33,27 @@ raises for anything the code does; it always returns a ``SandboxResult``.
 Two ways to get the child (``mode``):
 
 - ``spawn``: a fresh ``python -I -S -B`` per call (isolated mode, no site-packages). Simple, but
-  interpreter startup costs 15-40 ms per call, which dominates the arith env.
-- ``fork`` (default): a fork server. On first use each Python process starts one helper,
-  ``python -I -S -B`` with its own small bootstrap, talking to us over a socketpair. The helper is
-  single-threaded (so forking it is safe, unlike forking our threaded process), holds no audit
-  hook and has imported nothing that would hand the child a way around the hook (no
-  ``subprocess``/``_posixsubprocess``; ctypes only to make the syscalls below, and the child
-  drops it before the hook goes in, as ``spawn`` does). For each call it forks a child that
-  joins a new process group, asks to be SIGKILLed if the helper dies, closes every inherited
-  descriptor, then applies this call's limits, Landlock and hook and execs the code in a fresh
-  ``__main__``. The helper reads the child's stdout/stderr, enforces the wall-clock deadline by
-  killing the group, reaps it and answers with the exit status and output. A call costs a
-  ``fork`` (about 1-3 ms in all) instead of an interpreter startup.
-  The network namespace is made once by the helper and inherited by every child, instead of
-  once per call: creating one costs more than the rest of a forked call, and a namespace with
-  no interface gives no network whether it is fresh or shared (the hook forbids sockets, and
-  Landlock's scoping keeps children from reaching each other's abstract sockets or signalling
-  each other). The helper exits when our end of the socketpair closes, so also when we are
-  killed; its children die with it. It is restarted on the next call if it dies; a call it
-  could not finish, and every call while it cannot start, runs in ``spawn`` mode instead.
+  interpreter startup costs 25-35 ms of a 2-core machine per call, which dominates the arith env.
+- ``fork`` (default): a fork server, 5-9x faster per call (``benchmarks/bench_sandbox.py``). On
+  first use each Python process starts one helper, ``python -I -S -B`` with its own bootstrap,
+  talking to us over a socketpair. Forking our own process would be unsafe (it has threads);
+  the helper is single-threaded, holds no audit hook and has imported nothing that would hand
+  the child a way around the hook (no ``subprocess``/``_posixsubprocess``; ctypes only for the
+  syscalls below, dropped by the child before the hook goes in, as in ``spawn``). For each call
+  it forks a child that joins a new process group, asks to be SIGKILLed if the helper dies,
+  closes every inherited descriptor and forgets the other calls, then applies this call's
+  limits, Landlock and hook (after the fork: limits are per call) and execs the code in a fresh
+  ``__main__``. The helper reads the child's stdout/stderr, kills the child's group at the
+  wall-clock deadline (counted from when the helper gets the request), reaps it and answers
+  with the exit status and output. The helper makes the network namespace once, and every
+  child inherits it, instead of one per call: one per call measured 20-50% slower (plus the
+  kernel's deferred teardown of each namespace), and a namespace without interfaces gives no
+  network whether fresh or shared (the hook forbids sockets anyway, and Landlock's scoping
+  keeps children from reaching each other's abstract sockets or signalling each other).
+  The helper exits, killing its children, when our end of the socketpair closes, so also when
+  we are killed. It is restarted on the next call if it dies; a call it could not finish (it
+  died or hung) is run again in ``spawn`` mode, and so is every call while it cannot start
+  (retried after ``_SERVER_RETRY_S``).
 
 Thread safety: every call owns its child, directory and (in ``spawn`` mode) pipes; the fork
 server's socket is shared under a lock and answers are matched to calls by id, so calls can run
@@ -122,13 +124,20 @@ import os, posix, resource, signal, _signal, sys, types
 
 
 def _load_libc():
+    # (ctypes, libc, Landlock's ruleset_attr and path_beneath_attr types), or None without
+    # ctypes. Made once per interpreter: creating the types costs a fifth of a forked call.
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
     except (ImportError, OSError):
         return None
     libc.syscall.restype = ctypes.c_long
-    return libc
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    return ctypes, libc, ctypes.c_uint64 * 3, PathBeneath
 
 
 def _unshare_net(libc):
@@ -136,25 +145,20 @@ def _unshare_net(libc):
     return libc.unshare(0x40000000) == 0 or libc.unshare(0x10000000 | 0x40000000) == 0
 
 
-def _landlock(libc, root):
+def _landlock(native, root):
     # Best effort (Linux >= 5.13, works unprivileged): deny writes outside root, exec, TCP and
     # signals to other processes.
-    import ctypes  # loaded by _load_libc already
+    ctypes, libc, RulesetAttr, PathBeneath = native
     abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(VERSION)
     if abi < 1:
         return
     # execute, write, remove dir/file, make char/dir/reg/sock/fifo/block/sym, refer, truncate
     fs = sum(1 << b for b in (0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12))
     fs |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
-    attr = (ctypes.c_uint64 * 3)(fs, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
+    attr = RulesetAttr(fs, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
     ruleset = libc.syscall(444, ctypes.byref(attr), 8 if abi < 4 else 16 if abi < 6 else 24, 0)
     if ruleset < 0:
         return
-
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
     dirfd = os.open(root, os.O_PATH | os.O_CLOEXEC)
     rule = PathBeneath(fs & ~1, dirfd)  # everything but exec inside the private directory
     if libc.syscall(445, ruleset, 1, ctypes.byref(rule), 0) == 0 and libc.prctl(38, 1, 0, 0, 0) == 0:
@@ -346,11 +350,11 @@ sys.stdin.close()
 sys.argv = ["<tool>"]
 os.environ["TMPDIR"] = _tmp
 _root = os.path.realpath(_tmp)
-_libc = _load_libc()
-if _libc is not None:
-    _unshare_net(_libc)
-    _landlock(_libc, _root)
-del _libc
+_native = _load_libc()
+if _native is not None:
+    _unshare_net(_native[1])
+    _landlock(_native, _root)
+del _native
 _lock_down(_root, _cpu, _mem, _fsz, _cap)
 _run_and_exit(_src)
 """
@@ -360,11 +364,11 @@ _run_and_exit(_src)
 # file_size_mb, max_output_chars, timeout_s). Answer: (id, True, (timed_out, returncode,
 # stdout head, stderr tail)) or (id, False, why it could not run).
 _SERVER_MAIN = r"""
-import marshal, select, time
+import gc, marshal, select, time
 
-_LIBC = [_load_libc()]  # loaded once, before any fork; each child uses it for Landlock
-if _LIBC[0] is not None:
-    _unshare_net(_LIBC[0])  # one network namespace without interfaces, inherited by every child
+_NATIVE = [_load_libc()]  # loaded once, before any fork; each child uses it for Landlock
+if _NATIVE[0] is not None:
+    _unshare_net(_NATIVE[0][1])  # one network namespace without interfaces, for every child
 _pidfd_open = getattr(os, "pidfd_open", None)
 
 
@@ -397,9 +401,9 @@ def _child(req, out, err, server, forget):
     try:
         forget()  # other calls' code and output, in our copy of the helper's memory
         os.setpgid(0, 0)
-        libc = _LIBC.pop()
-        if libc is not None:
-            libc.prctl(1, 9)  # PR_SET_PDEATHSIG: SIGKILL when the helper dies
+        native = _NATIVE.pop()
+        if native is not None:
+            native[1].prctl(1, 9)  # PR_SET_PDEATHSIG: SIGKILL when the helper dies
         if os.getppid() != server:
             os._exit(1)
         os.dup2(out, 1)
@@ -410,9 +414,9 @@ def _child(req, out, err, server, forget):
         sys.argv = ["<tool>"]
         sys.stdin.close()
         root = os.path.realpath(tmp)
-        if libc is not None:
-            _landlock(libc, root)
-        del libc
+        if native is not None:
+            _landlock(native, root)
+        del native
         _lock_down(root, cpu, mem, fsz, cap)
     except BaseException as e:
         os.write(2, ("\nsandbox setup failed: " + type(e).__name__ + " " + str(e) + "\n").encode())
@@ -434,7 +438,10 @@ def _serve(ctl):
     def start(req):
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        os.set_blocking(out_r, False)  # our ends only; the child's stay blocking
+        os.set_blocking(err_r, False)
         deadline = time.monotonic() + req[7]
+        gc.freeze()  # the child's collections skip our objects instead of copying their pages
         try:
             pid = os.fork()
         except OSError as e:
@@ -459,11 +466,22 @@ def _serve(ctl):
                 pidfd = _pidfd_open(pid)
             except OSError:
                 pass
-        kid = _Kid(req[0], pid, out_r, err_r, pidfd, deadline, 4 * req[6] + 4)
-        kids[pid] = kid
-        for fd in (out_r, err_r) + ((pidfd,) if pidfd is not None else ()):
-            os.set_blocking(fd, False)
-            poll.register(fd, select.POLLIN)
+        fds = (out_r, err_r) + ((pidfd,) if pidfd is not None else ())
+        try:
+            for fd in fds:
+                poll.register(fd, select.POLLIN)
+        except BaseException:  # never leave a child running that we do not watch
+            _kill(pid)
+            os.waitpid(pid, 0)
+            for fd in fds:
+                try:
+                    poll.unregister(fd)
+                except KeyError:
+                    pass
+                os.close(fd)
+            raise
+        kids[pid] = kid = _Kid(req[0], pid, out_r, err_r, pidfd, deadline, 4 * req[6] + 4)
+        for fd in fds:
             owner[fd] = kid
 
     def close(kid, fd):
@@ -503,8 +521,9 @@ def _serve(ctl):
             kid.timed_out = True  # exited, but something still holds its pipes
         if kid.timed_out:
             for fd in list(kid.open):
-                while not read(kid, fd):
-                    pass
+                for _ in range(64):  # what is in the pipe now, not what a stray writer adds
+                    if read(kid, fd):
+                        break
                 if fd in kid.open:
                     close(kid, fd)
         if not kid.open:
@@ -534,7 +553,7 @@ def _serve(ctl):
                         del inbox[: 4 + size]
                         try:
                             start(req)
-                        except Exception as e:
+                        except Exception as e:  # e.g. out of descriptors: spawn mode will try
                             _send(ctl, (req[0], False, type(e).__name__ + ": " + str(e)))
                 elif fd in owner and fd != owner[fd].pidfd:
                     read(owner[fd], fd)
@@ -585,7 +604,7 @@ def run_python(
             raw = None
             if mode == "fork":
                 raw = _fork_server.run(source.decode("utf-8"), tmp, limits, timeout_s)
-                if raw is None:  # the server could not run it; nothing of ours ran yet or is left
+                if raw is None:  # no server, or it died or hung: its child died with it
                     _remove_tree(tmp)
                     tmp = tempfile.mkdtemp(prefix="flywheel-sandbox-")
             if raw is None:

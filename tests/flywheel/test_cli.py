@@ -191,10 +191,15 @@ def test_artifacts_ls_show_lineage(small_store, capsys):
     assert rc == 0 and err == ""
     lines = out.splitlines()
     assert len(lines) == 2
-    assert tasks.id in lines[0] and "rows=32" in lines[0] and "tasks" in lines[0]
-    assert expert.id in lines[1] and "rows=24" in lines[1] and "trajectories" in lines[1]
+    # ordered by creation time, which has one-second resolution: look lines up by id
+    by_id = {line.split()[4]: line for line in lines}
+    assert set(by_id) == {tasks.id, expert.id}
+    assert by_id[tasks.id].split()[:4] == ["round", "0", "tasks", "tasks"]
+    assert "rows=32" in by_id[tasks.id]
+    assert by_id[expert.id].split()[:4] == ["round", "0", "expert", "trajectories"]
+    assert "rows=24" in by_id[expert.id]
     rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--stage", "expert")
-    assert rc == 0 and out.splitlines() == [lines[1]]
+    assert rc == 0 and out.splitlines() == [by_id[expert.id]]
     rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--round", "1")
     assert rc == 0 and out == ""
 

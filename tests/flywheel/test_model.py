@@ -53,6 +53,9 @@ def test_vocabulary_and_special_tokens(tokenizer):
     assert "zebra" not in vocab
     rare = train_tokenizer(["apple apple pear"], min_frequency=2).get_vocab()
     assert "apple" in rare and "pear" not in rare
+    # A word takes the space before it, and both forms are known whichever one was seen.
+    assert " apple" in rare and " pear" not in rare
+    assert pieces(tokenizer, "has") == ["has"] and pieces(tokenizer, " has") == [" has"]
 
 
 def test_training_is_deterministic():

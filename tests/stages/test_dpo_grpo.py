@@ -18,7 +18,7 @@ from data_contracts import groups as groups_contract
 from data_contracts import pairs as pairs_contract
 from flywheel.agent import run_episodes
 from flywheel.chat import encode_chat
-from flywheel.checkpoint import checkpoint_dir, load_policy, write_checkpoint
+from flywheel.checkpoint import TRAIN_LOG, checkpoint_dir, load_policy, write_checkpoint
 from flywheel.config import Config
 from flywheel.engines.base import SamplingParams
 from flywheel.engines.hf import HFEngine
@@ -100,7 +100,7 @@ def params(model: torch.nn.Module) -> torch.Tensor:
 
 def train_log(store: Store, ref) -> list[dict]:
     return [
-        json.loads(x) for x in (checkpoint_dir(store, ref) / dpo.TRAIN_LOG).read_text().splitlines()
+        json.loads(x) for x in (checkpoint_dir(store, ref) / TRAIN_LOG).read_text().splitlines()
     ]
 
 
@@ -188,7 +188,7 @@ def test_dpo_trains_with_precomputed_reference_and_caches(world):
     losses = [e["loss"] for e in log]
     assert all(math.isfinite(v) for v in losses) and len(losses) == 4
     assert losses[0] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 0
-    assert losses[-1] < losses[0] - 0.01 and "reward_acc" in log[0]
+    assert losses[-1] < losses[0] - 0.01 and "accuracy" in log[0]
     start, _ = load_policy(store, policy)
     trained, _ = load_policy(store, ref)
     assert not torch.allclose(params(start), params(trained))
@@ -237,7 +237,7 @@ def test_no_pairs_passes_the_policy_on(world, capsys):
     start, _ = load_policy(store, policy)
     same, _ = load_policy(store, ref)
     assert torch.equal(params(start), params(same))
-    assert not (checkpoint_dir(store, ref) / dpo.TRAIN_LOG).exists()
+    assert not (checkpoint_dir(store, ref) / TRAIN_LOG).exists()
 
 
 # -- GRPO -------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -177,6 +178,28 @@ def test_the_child_holds_no_descriptor_but_its_stdio(run: Run) -> None:
     assert result.output == "['0', '1', '2', '3']\n"  # 3: the directory being listed
 
 
+def _kernel_permits(probe: str) -> bool:
+    """Whether a throwaway interpreter can make this syscall (namespaces, Landlock)."""
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.syscall.restype = ctypes.c_long\n"
+        f"raise SystemExit({probe} < 0)"
+    )
+    return subprocess.run([sys.executable, "-I", "-c", code]).returncode == 0
+
+
+def test_kernel_layers_are_in_place_where_the_kernel_has_them(run: Run) -> None:
+    code = (
+        "import os\nprint(os.readlink('/proc/self/ns/net'))\n"
+        "print(*[line for line in open('/proc/self/status') if line.startswith('NoNewPrivs')])"
+    )
+    netns, status = run(code).output.split("\n", 1)
+    unshare = "(libc.unshare(0x40000000) and libc.unshare(0x50000000))"
+    if _kernel_permits(unshare):
+        assert netns != os.readlink("/proc/self/ns/net")  # not our network
+    if _kernel_permits("libc.syscall(444, None, 0, 1)"):  # Landlock ABI version
+        assert "NoNewPrivs:\t1" in status  # set just before landlock_restrict_self
+
+
 # -- the fork server ------------------------------------------------------------------------------
 
 
@@ -268,6 +291,43 @@ def test_a_call_whose_server_dies_is_rerun_in_spawn_mode() -> None:
     assert result == SandboxResult("ok", "done\n", "", False)
 
 
+def test_a_hung_server_is_killed_and_the_call_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "_SERVER_GRACE_S", 0.5)
+    server = _server_pid()
+    os.kill(server, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        result = run_python("print('fine')", timeout_s=0.5)
+        assert result == SandboxResult("ok", "fine\n", "", False)
+        assert time.monotonic() - start < 5.0
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed and reaped, as it should be
+            os.kill(server, signal.SIGCONT)
+    _wait_until(lambda: not _running(server))
+    assert _server_pid() != server
+
+
+def test_a_forked_process_starts_its_own_server() -> None:
+    server = _server_pid()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            result = run_python("print(6 * 7)")
+            os.write(write_end, f"{result.output.strip()} {sandbox._fork_server.pid()}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        output, child_server = pipe.read().split()
+    os.waitpid(pid, 0)
+    assert output == "42"
+    assert int(child_server) != server
+    _wait_until(lambda: not _running(int(child_server)))  # gone with the forked process
+    assert run_python("print('still here')").output == "still here\n"
+    assert _server_pid() == server
+
+
 def test_spawn_mode_is_used_when_the_server_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
     broken = sandbox._ForkServer()
     monkeypatch.setattr(sandbox, "_fork_server", broken)
@@ -305,9 +365,11 @@ if sys.argv[1] == "killed":
 
 
 @pytest.mark.parametrize("how", ["exits", "killed"])
-def test_the_server_is_gone_after_its_parent(how: str) -> None:
+def test_the_server_is_gone_after_its_parent(how: str, tmp_path: Path) -> None:
+    # a killed parent cannot remove its calls' directories: keep them out of /tmp
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, how], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _PARENT, how], stdout=subprocess.PIPE, text=True, env=env
     )
     try:
         assert parent.stdout is not None

@@ -6,8 +6,10 @@ side by side, sequentially and from a pool of threads, on the code the arith exp
     .venv/bin/python -m benchmarks.bench_sandbox --calls 500 --threads 16 --expert 2000
 
 Per cell: mean, median and p95 latency of one call as its caller sees it (waiting for one of the
-sandbox's ``MAX_CONCURRENT`` slots included), and wall time / calls (the inverse of throughput).
-Every output is checked. The fork server is started before timing: its start (~30-50 ms, once
+sandbox's ``MAX_CONCURRENT`` slots included), wall time / calls (the inverse of throughput), and
+CPU time / calls (ours, the fork server's and every child's, user + system), the steadiest
+number on a shared machine: there wall times follow the other processes' load. Every output is
+checked. The fork server is started before timing: its start (~30-50 ms, once
 per process) is printed separately. ``--expert N`` also times the expert stage's work on N arith
 train tasks (``flywheel.agent.expert_episodes``: every tool call through ``ArithEnv``, 8 env
 workers) in each mode.
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from flywheel.agent import expert_episodes
 from flywheel.envs import arith, sandbox
@@ -37,7 +41,19 @@ def _call(mode: Mode, i: int) -> float:
     return elapsed
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process, its reaped children and the fork server with its children."""
+    ours = os.times()
+    total = ours.user + ours.system + ours.children_user + ours.children_system
+    server = sandbox._fork_server.pid()
+    if server is not None:  # Linux: utime, stime, cutime, cstime in clock ticks
+        fields = Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()
+        total += sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _cell(mode: Mode, calls: int, threads: int) -> dict[str, float]:
+    cpu = _cpu_s()
     start = time.perf_counter()
     if threads == 1:
         latencies = [_call(mode, i) for i in range(calls)]
@@ -45,12 +61,14 @@ def _cell(mode: Mode, calls: int, threads: int) -> dict[str, float]:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             latencies = list(pool.map(lambda i: _call(mode, i), range(calls)))
     wall = time.perf_counter() - start
+    cpu = _cpu_s() - cpu
     ms = sorted(1e3 * t for t in latencies)
     return {
         "mean": statistics.fmean(ms),
         "p50": ms[len(ms) // 2],
         "p95": ms[min(len(ms) - 1, int(0.95 * len(ms)))],
         "wall/call": 1e3 * wall / calls,
+        "cpu/call": 1e3 * cpu / calls,
     }
 
 
@@ -98,7 +116,7 @@ def main() -> None:
     print(f"\n{args.calls} calls per cell, ms per call (MAX_CONCURRENT={sandbox.MAX_CONCURRENT})")
     print(f"{'setting':14}{'metric':11}{'fork':>9}{'spawn':>9}{'spawn/fork':>12}")
     for setting, _ in settings:
-        for metric in ("mean", "p50", "p95", "wall/call"):
+        for metric in ("mean", "p50", "p95", "wall/call", "cpu/call"):
             fork, spawn = results[setting, "fork"][metric], results[setting, "spawn"][metric]
             print(f"{setting:14}{metric:11}{fork:>9.2f}{spawn:>9.2f}{spawn / fork:>11.1f}x")
     if args.expert:

@@ -70,6 +70,7 @@ class TrainSection(Section):
     epochs: int = Field(3, ge=1, description="Passes over the training examples.")
     lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
     warmup_ratio: float = Field(0.03, ge=0, le=1, description="Share of steps spent warming up the learning rate.")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="Learning-rate shape after warmup: cosine to 0, or constant.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward pass per rank.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     max_length: int = Field(1024, ge=8, description="Longer sequences are cut at the end.")

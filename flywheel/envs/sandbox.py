@@ -33,8 +33,10 @@ raises for anything the code does; it always returns a ``SandboxResult``.
 Two ways to get the child (``mode``):
 
 - ``spawn``: a fresh ``python -I -S -B`` per call (isolated mode, no site-packages). Simple, but
-  interpreter startup costs 25-35 ms of a 2-core machine per call, which dominates the arith env.
-- ``fork`` (default): a fork server, 5-9x faster per call (``benchmarks/bench_sandbox.py``). On
+  interpreter startup costs ~20 ms of CPU and 25-40 ms of wall time per call on the 2-core dev
+  box, which dominates the arith env.
+- ``fork`` (default): a fork server: ~4 ms of CPU and 3-8 ms of wall time per call there
+  (``benchmarks/bench_sandbox.py``; 4-9x less latency, 5-6x less CPU). On
   first use each Python process starts one helper, ``python -I -S -B`` with its own bootstrap,
   talking to us over a socketpair. Forking our own process would be unsafe (it has threads);
   the helper is single-threaded, holds no audit hook and has imported nothing that would hand

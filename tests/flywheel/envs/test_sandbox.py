@@ -352,7 +352,7 @@ def test_eight_threads_get_their_own_output() -> None:
 
 
 _PARENT = """
-import sys, threading, time
+import sys, threading
 from flywheel.envs import sandbox
 from flywheel.envs.sandbox import run_python
 assert run_python("print(1)").output == "1\\n"
@@ -360,7 +360,7 @@ print(sandbox._fork_server.pid(), flush=True)
 if sys.argv[1] == "killed":
     threading.Thread(target=run_python, args=("import time; time.sleep(60)",),
                      kwargs={"timeout_s": 60.0}, daemon=True).start()
-    time.sleep(60)
+sys.stdin.readline()  # exit when the test closes our stdin
 """
 
 
@@ -369,16 +369,22 @@ def test_the_server_is_gone_after_its_parent(how: str, tmp_path: Path) -> None:
     # a killed parent cannot remove its calls' directories: keep them out of /tmp
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, how], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", _PARENT, how],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
-        assert parent.stdout is not None
+        assert parent.stdin is not None and parent.stdout is not None
         server = int(parent.stdout.readline())
         assert _running(server)
         if how == "killed":
             _wait_until(lambda: _children(server))
             child = _children(server)[0]
             parent.kill()  # no atexit: the server must notice on its own
+        else:
+            parent.stdin.close()  # a normal exit
         parent.wait(timeout=30)
     finally:
         parent.kill()

@@ -171,25 +171,25 @@ def split_of(prompt: str) -> str:
     return next(split for split, buckets in SPLIT_BUCKETS.items() if bucket in buckets)
 
 
-def _feasible(op: str, value: int) -> bool:
+def _feasible(op: str, value: int, max_value: int = MAX_VALUE) -> bool:
     """Whether some operand keeps ``value op n`` an integer in range (n >= 2, n >= 1 for -)."""
     if op == "+":
-        return value <= MAX_VALUE - 2
+        return value <= max_value - 2
     if op == "-":
         return value >= 2
     if op == "*":
-        return 0 < value <= MAX_VALUE // 2
+        return 0 < value <= max_value // 2
     return any(value % n == 0 and value // n >= 2 for n in range(2, 13))
 
 
-def _operand(op: str, value: int, rng: random.Random) -> int:
+def _operand(op: str, value: int, rng: random.Random, max_value: int = MAX_VALUE) -> int:
     """A number for ``value op n`` that keeps the result an integer in range (op feasible)."""
     if op == "+":
-        return rng.randint(2, min(150, MAX_VALUE - value))
+        return rng.randint(2, min(max(2, max_value * 3 // 20), max_value - value))
     if op == "-":
         return rng.randint(1, value - 1)
     if op == "*":
-        return rng.randint(2, min(12, MAX_VALUE // value))
+        return rng.randint(2, min(12, max_value // value))
     return rng.choice([n for n in range(2, 13) if value % n == 0 and value // n >= 2])
 
 
@@ -198,7 +198,7 @@ class _Retry(Exception):
 
 
 def _draw(
-    rng: random.Random, difficulty: int, max_distractors: int
+    rng: random.Random, difficulty: int, max_distractors: int, max_value: int = MAX_VALUE
 ) -> tuple[str, list[dict[str, Any]]]:
     """One story with ``difficulty`` steps; returns the prompt and the steps (op, a, b, result)."""
     name, friend, other = rng.sample(NAMES, 3)
@@ -213,7 +213,8 @@ def _draw(
     words["item"], words["items"] = item_pool.pop()
     words["box"], words["boxes"] = rng.choice(BOXES)
     kind = rng.choice(("items", "items", "boxes", "coins"))
-    value = rng.randint(*START_RANGES[kind])
+    lo, hi = START_RANGES[kind]
+    value = rng.randint(lo, max(lo, min(hi, max_value // 2)))
     sentences = [rng.choice(START[kind]).format(n=value, **words)]
     steps: list[dict[str, Any]] = []
     packed = False  # once packed, the box size is known: no "each box holds n" after
@@ -221,13 +222,15 @@ def _draw(
         options = [
             t
             for t in TRANSITIONS
-            if t[0] == kind and _feasible(t[1], value) and not (packed and t[3] == "unpack")
+            if t[0] == kind
+            and _feasible(t[1], value, max_value)
+            and not (packed and t[3] == "unpack")
         ]
         if not options:
             raise _Retry
         op = rng.choice(sorted({t[1] for t in options}))  # ops equally likely, then wordings
         _, op, new_kind, key = rng.choice([t for t in options if t[1] == op])
-        n = _operand(op, value, rng)
+        n = _operand(op, value, rng, max_value)
         if key == "buy":  # coins are spent on a new kind of item
             words["item"], words["items"] = item_pool.pop()
         if key == "pack":
@@ -240,7 +243,7 @@ def _draw(
     for _ in range(rng.randint(0, max_distractors)):
         template = rng.choice(DISTRACTORS)
         sentence = template.format(
-            d=rng.randint(2, 90), other=other, other_items=other_items, **words
+            d=rng.randint(2, min(90, max_value)), other=other, other_items=other_items, **words
         )
         sentences.insert(rng.randint(1, len(sentences)), sentence)
     sentences.append(rng.choice(QUESTIONS[kind]).format(**words))
@@ -252,6 +255,8 @@ class ArithSuite:
 
     ``difficulty_weights``: relative frequency of difficulty 1, 2, 3 (number of steps).
     ``max_distractors``: each prompt gets 0..this many sentences with irrelevant numbers.
+    ``max_value``: every operand, intermediate and answer stays in 0..max_value. Small ranges
+    make each number token frequent, which a tiny policy needs to learn to copy numbers.
     The remaining arguments are the sandbox limits of the episodes' Python tool.
     """
 
@@ -262,11 +267,14 @@ class ArithSuite:
         self,
         difficulty_weights: Sequence[float] = (1.0, 1.0, 1.0),
         max_distractors: int = 2,
+        max_value: int = MAX_VALUE,
         timeout_s: float = 2.0,
         cpu_s: int = 1,
         memory_mb: int = 256,
         max_output_chars: int = 500,
     ) -> None:
+        if not 50 <= max_value <= MAX_VALUE:
+            raise ValueError(f"max_value must be in 50..{MAX_VALUE}, got {max_value}")
         if (
             len(difficulty_weights) != 3
             or min(difficulty_weights) < 0
@@ -275,6 +283,7 @@ class ArithSuite:
             raise ValueError(f"difficulty_weights needs 3 weights >= 0, got {difficulty_weights}")
         self.difficulty_weights = tuple(float(w) for w in difficulty_weights)
         self.max_distractors = max_distractors
+        self.max_value = max_value
         self.limits: dict[str, Any] = {
             "timeout_s": timeout_s,
             "cpu_s": cpu_s,
@@ -295,7 +304,7 @@ class ArithSuite:
             draw += 1
             difficulty = rng.choices((1, 2, 3), weights=self.difficulty_weights)[0]
             try:
-                prompt, steps = _draw(rng, difficulty, self.max_distractors)
+                prompt, steps = _draw(rng, difficulty, self.max_distractors, self.max_value)
             except _Retry:
                 continue
             if prompt in seen or split_of(prompt) != split:

@@ -37,6 +37,11 @@ def _play(suite: ArithSuite, task: Task) -> tuple[float, list[str]]:
     return reward, observations
 
 
+def test_max_value_out_of_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_value"):
+        ArithSuite(max_value=10)
+
+
 def test_implements_the_protocol() -> None:
     suite = ArithSuite()
     assert isinstance(suite, EnvSuite)
@@ -67,16 +72,17 @@ def test_splits_never_share_a_prompt() -> None:
         suite.tasks("dev", 1, seed=0)
 
 
-def test_numbers_are_integers_in_range_and_steps_chain() -> None:
-    tasks = ArithSuite().tasks("train", 600, seed=1)
+@pytest.mark.parametrize("max_value", [999, 99])
+def test_numbers_are_integers_in_range_and_steps_chain(max_value: int) -> None:
+    tasks = ArithSuite(max_value=max_value).tasks("train", 600, seed=1)
     for task in tasks:
-        assert all(0 <= int(n) <= 999 for n in re.findall(r"\d+", task.prompt)), task.prompt
+        assert all(0 <= int(n) <= max_value for n in re.findall(r"\d+", task.prompt)), task.prompt
         steps = task.meta["steps"]
         assert len(steps) == task.difficulty
         for prev, step in zip([None, *steps], steps, strict=False):
             if prev is not None:
                 assert step["a"] == prev["result"]
-            assert all(0 <= step[k] <= 999 for k in ("a", "b", "result"))
+            assert all(0 <= step[k] <= max_value for k in ("a", "b", "result"))
         assert str(steps[0]["a"]) in task.prompt
         assert all(str(step["b"]) in task.prompt for step in steps)
         assert task.answer == str(steps[-1]["result"])

@@ -159,6 +159,11 @@ class DpoConfig(TrainSection):
         description="Peak learning rate per round, indexed like beta (ETO at 7B: 1e-6, then 5e-7; the tiny policy needs ~1e-3).",
     )
     epochs: int = Field(3, ge=1, description="Passes over the pairs (ETO: 3).")
+    nll_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Ours: add this times the token-mean NLL of the chosen side to the DPO loss (0 = pure DPO as in ETO); keeps small policies from collapsing.",
+    )
     reference: Literal["precomputed", "frozen"] = Field(
         "precomputed",
         description="precomputed: score every pair with the starting policy once before training (saved as ref_logps.parquet); frozen: keep a frozen copy of it in memory and score each batch.",

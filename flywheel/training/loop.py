@@ -64,6 +64,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # optimizer steps between resumable train states; 0 = none
     max_steps: int | None = None  # cap on optimizer steps; the LR schedule ends there
     beta: float = 0.1  # DPO inverse temperature
+    nll_weight: float = 0.0  # DPO: + this * token-mean NLL of the chosen side (keeps it likely)
     clip: float = 0.2  # GRPO ratio clip
     kl_coef: float = 0.0  # GRPO weight of 0.5*(logp - logp_ref)^2
     weight_decay: float = 0.0  # AdamW weight decay, on matrices only
@@ -209,7 +210,8 @@ def _batch_loss(
         ids = torch.cat([batch["chosen_ids"], batch["rejected_ids"]])
         attention = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
         mask = torch.cat([batch["chosen_mask"], batch["rejected_mask"]])
-        policy = losses.sequence_logprob(_logits(model, ids, attention), ids, mask)
+        logits = _logits(model, ids, attention)
+        policy = losses.sequence_logprob(logits, ids, mask)
         if "ref_chosen_logp" in batch:
             ref = torch.cat([batch["ref_chosen_logp"], batch["ref_rejected_logp"]])
         else:
@@ -217,7 +219,14 @@ def _batch_loss(
                 ref = losses.sequence_logprob(_logits(ref_model, ids, attention), ids, mask)
         (policy_chosen, policy_rejected), (ref_chosen, ref_rejected) = policy.chunk(2), ref.chunk(2)
         out = losses.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta)
-        return out.loss, {k: v for k, v in out._asdict().items() if k != "loss"}
+        stats = {k: v for k, v in out._asdict().items() if k != "loss"}
+        if cfg.nll_weight <= 0:
+            return out.loss, stats
+        # Pure DPO can lower the chosen side's likelihood too, as long as the rejected side
+        # falls faster; on small policies that collapses generation. The NLL term holds it up.
+        n = batch["chosen_ids"].shape[0]
+        nll = losses.masked_ce(logits[:n], ids[:n], mask[:n])
+        return out.loss + cfg.nll_weight * nll, stats | {"chosen_nll": nll.detach()}
     if kind == "grpo":
         ids, attention = batch["input_ids"], batch["attention_mask"]
         logprobs = losses.token_logprobs(_logits(model, ids, attention), ids)

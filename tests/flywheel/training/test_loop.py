@@ -189,6 +189,29 @@ def test_dpo_with_precomputed_reference(tmp_path: Path) -> None:
     assert all(torch.isfinite(torch.tensor([r["loss"] for r in result.history])))
 
 
+def test_dpo_nll_weight_adds_the_chosen_token_mean_nll() -> None:
+    from flywheel.training import data
+    from flywheel.training.losses import masked_ce
+
+    model = tiny_model()
+    examples = pairs(4)
+    chosen, rejected = compute_ref_logps(model, examples, batch_size=4, max_length=32)
+    examples = [
+        ex | {"ref_chosen_logp": c, "ref_rejected_logp": r}
+        for ex, c, r in zip(examples, chosen, rejected, strict=True)
+    ]
+    batch = data.collate(examples, "dpo")
+    plain, _ = loop._batch_loss(model, batch, "dpo", TrainConfig(beta=0.5), None)
+    mixed, stats = loop._batch_loss(model, batch, "dpo", TrainConfig(beta=0.5, nll_weight=2.0), None)
+    with torch.no_grad():
+        logits = model(input_ids=batch["chosen_ids"], attention_mask=batch["chosen_attention_mask"]).logits
+        nll = masked_ce(logits, batch["chosen_ids"], batch["chosen_mask"])
+    # Policy == reference: the DPO part is log 2; the weighted NLL comes on top.
+    assert plain.item() == pytest.approx(0.693147, abs=1e-4)
+    assert mixed.item() == pytest.approx(plain.item() + 2.0 * nll.item(), rel=1e-4)
+    assert stats["chosen_nll"].item() == pytest.approx(nll.item(), rel=1e-4)
+
+
 def test_missing_reference_is_a_clear_error(tmp_path: Path) -> None:
     model, cfg = tiny_model(), TrainConfig(**CFG)
     with pytest.raises(

@@ -56,8 +56,8 @@ def test_second_run_is_all_cache_hits_and_fast(tiny_flywheel):
 
 @pytest.mark.parametrize(
     ("override", "first_rerun"),
-    [("evaluate.temperature=0.5", None), ("sft.lr=0.001", "sft")],
-    ids=["evaluate", "sft"],
+    [("evaluate.temperature=0.5", None), ("sft.lr=0.001", "sft"), ("dpo.beta=[0.2]", "dpo")],
+    ids=["evaluate", "sft", "dpo-beta"],
 )
 def test_changed_config_reruns_that_stage_and_what_follows(tiny_flywheel, override, first_rerun):
     before = manifests(tiny_flywheel.root)

@@ -12,7 +12,6 @@ import math
 import polars as pl
 import pytest
 import torch
-from pydantic import Field
 
 from data_contracts import groups as groups_contract
 from data_contracts import pairs as pairs_contract
@@ -55,10 +54,7 @@ EXPERT = [
 ]
 
 
-class Cfg(Config):
-    # DpoConfig and GrpoConfig live in their stages until Config grows the sections.
-    dpo: DpoConfig = Field(default_factory=DpoConfig)
-    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+Cfg = Config
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,14 @@
 
 import numpy as np
 import polars as pl
-from pydantic import Field
 
 from data_contracts import groups as groups_contract
 from data_contracts import pairs as pairs_contract
-from flywheel.config import Config
+from flywheel.config import Config, ParetoConfig
 from flywheel.store import Store
 from stages import pareto
-from stages.pareto import ParetoConfig
 
-
-class Cfg(Config):
-    # ParetoConfig lives in stages/pareto.py until Config grows a `pareto` section.
-    pareto: ParetoConfig = Field(default_factory=ParetoConfig)
+Cfg = Config
 
 
 def row(task, env, sample_idx, reward, turns, tool_calls, source="explore"):

@@ -22,8 +22,6 @@ Written by the ``pareto`` stage (ALGORITHMS.md, "Exploration rollouts and contra
 | rejected_sample_idx     | int32                             | same for the rejected side                                 |
 | chosen_turn_token_ids   | list<list<int32>>                 | generated ids of the chosen side's sampled assistant turns that survive the cut; empty for the expert |
 | rejected_turn_token_ids | list<list<int32>>                 | same for the rejected side                                 |
-| ref_chosen_logp         | double (nullable)                 | reference log-prob summed over chosen's trained tokens; null until the dpo stage precomputes it |
-| ref_rejected_logp       | double (nullable)                 | same for rejected                                          |
 
 As in trajectories, ``*_turn_token_ids`` belong to the *last* assistant messages of
 ``prompt + side`` (``flywheel.chat.align_turn_ids``): DPO trains on the sampled ids, never on
@@ -55,8 +53,6 @@ SCHEMA = pa.schema(
         ("rejected_sample_idx", pa.int32()),
         ("chosen_turn_token_ids", pa.list_(pa.list_(pa.int32()))),
         ("rejected_turn_token_ids", pa.list_(pa.list_(pa.int32()))),
-        ("ref_chosen_logp", pa.float64()),
-        ("ref_rejected_logp", pa.float64()),
     ]
 )
 CONTRACT = Contract("pairs", SCHEMA_VERSION, SCHEMA)

@@ -116,11 +116,7 @@ def _to_contract(frame: pl.DataFrame, schema: pa.Schema) -> pa.Table:
 
 
 def _pairs_table(pairs: pl.DataFrame, round: int) -> pa.Table:
-    frame = pairs.with_columns(
-        round=pl.lit(round, pl.Int32),
-        ref_chosen_logp=pl.lit(None, pl.Float64),
-        ref_rejected_logp=pl.lit(None, pl.Float64),
-    )
+    frame = pairs.with_columns(round=pl.lit(round, pl.Int32))
     return _to_contract(frame, pairs_contract.SCHEMA)
 
 

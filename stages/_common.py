@@ -20,6 +20,24 @@ def load_tasks(store: Store, tasks: ArtifactRef, *, env: str, split: str, limit:
     return [row_to_task(r) for r in frame.iter_rows(named=True)]
 
 
+def rollout_setup(
+    cfg: Any, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, split: str, limit: int | None
+) -> tuple[Any, dict[str, int], list[tuple[EnvSuite, list[Task]]]]:
+    """What explore and evaluate both start from: an engine on the policy, each env's step
+    limit, and each env's suite with its tasks of ``split``."""
+    from flywheel.checkpoint import load_policy
+    from flywheel.engines.hf import HFEngine
+    from flywheel.envs import make_suite
+
+    model, tokenizer = load_policy(store, policy)
+    engine = HFEngine(model, tokenizer, batch_size=cfg.engine.batch_size)
+    max_steps = {e.name: e.max_steps for e in cfg.envs}
+    tasks_by_env = [
+        (make_suite(e), load_tasks(store, tasks, env=e.name, split=split, limit=limit)) for e in cfg.envs
+    ]
+    return engine, max_steps, tasks_by_env
+
+
 def trajectory_rows(episodes: list[dict[str, Any]], *, round: int, policy: str, source: str) -> list[dict[str, Any]]:
     """Agent-loop episodes -> rows of the trajectories contract."""
     return [{**ep, "round": round, "policy": policy, "source": source} for ep in episodes]

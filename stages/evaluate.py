@@ -9,14 +9,11 @@ from __future__ import annotations
 import polars as pl
 
 from flywheel.agent import run_episodes
-from flywheel.checkpoint import load_policy
 from flywheel.config import Config
 from flywheel.engines.base import SamplingParams
-from flywheel.engines.hf import HFEngine
-from flywheel.envs import make_suite
 from flywheel.metrics import flatten, summarize
 from flywheel.store import ArtifactRef, Store
-from stages._common import load_tasks, run_in_shards
+from stages._common import rollout_setup, run_in_shards
 
 EVAL_KEYS = ("task_id", "env", "success", "reward", "steps", "tool_calls", "tool_errors", "tool_ok", "tokens", "finish_reason", "messages")
 
@@ -33,12 +30,7 @@ def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, r
     if w.cached:
         return w.ref
     ev = cfg.evaluate
-    model, tokenizer = load_policy(store, policy)
-    engine = HFEngine(model, tokenizer, batch_size=cfg.engine.batch_size)
-    max_steps = {e.name: e.max_steps for e in cfg.envs}
-    tasks_by_env = [
-        (make_suite(e), load_tasks(store, tasks, env=e.name, split="test", limit=ev.n_tasks)) for e in cfg.envs
-    ]
+    engine, max_steps, tasks_by_env = rollout_setup(cfg, store, policy, tasks, split="test", limit=ev.n_tasks)
 
     def rollout(suite, chunk, shard):
         sampling = SamplingParams(temperature=ev.temperature, max_new_tokens=cfg.engine.max_new_tokens, seed=shard)

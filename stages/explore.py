@@ -11,14 +11,11 @@ from __future__ import annotations
 import polars as pl
 
 from flywheel.agent import run_episodes
-from flywheel.checkpoint import load_policy
 from flywheel.config import Config
 from flywheel.engines.base import SamplingParams
-from flywheel.engines.hf import HFEngine
-from flywheel.envs import make_suite
 from flywheel.metrics import flatten, summarize
 from flywheel.store import ArtifactRef, Store
-from stages._common import load_tasks, run_in_shards, trajectory_rows
+from stages._common import rollout_setup, run_in_shards, trajectory_rows
 
 
 def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, round: int, force: bool = False) -> ArtifactRef:
@@ -33,12 +30,7 @@ def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, r
     if w.cached:
         return w.ref
     ex = cfg.explore
-    model, tokenizer = load_policy(store, policy)
-    engine = HFEngine(model, tokenizer, batch_size=cfg.engine.batch_size)
-    max_steps = {e.name: e.max_steps for e in cfg.envs}
-    tasks_by_env = [
-        (make_suite(e), load_tasks(store, tasks, env=e.name, split="train", limit=ex.n_tasks)) for e in cfg.envs
-    ]
+    engine, max_steps, tasks_by_env = rollout_setup(cfg, store, policy, tasks, split="train", limit=ex.n_tasks)
 
     def rollout(suite, chunk, shard):
         sampling = SamplingParams(

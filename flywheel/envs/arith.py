@@ -312,7 +312,7 @@ class ArithSuite:
             seen.add(prompt)
             tasks.append(
                 Task(
-                    task_id=f"arith-{split}-{len(tasks):06d}",
+                    task_id=f"{self.name}-{split}-{len(tasks):06d}",
                     env=self.name,
                     split=split,
                     seed=seed,

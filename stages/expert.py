@@ -8,6 +8,8 @@ the env really returns; an oracle that fails a task is reported in the summary.
 
 from __future__ import annotations
 
+import polars as pl
+
 from flywheel.agent import expert_episodes
 from flywheel.config import Config
 from flywheel.envs import make_suite
@@ -21,7 +23,6 @@ def run(cfg: Config, store: Store, tasks: ArtifactRef, *, force: bool = False) -
     )
     if w.cached:
         return w.ref
-    summary: dict[str, float] = {}
     for shard, env_cfg in enumerate(cfg.envs):
         if w.has_shard(shard):
             continue
@@ -30,6 +31,11 @@ def run(cfg: Config, store: Store, tasks: ArtifactRef, *, force: bool = False) -
         episodes = expert_episodes(suite, env_tasks)
         rows = trajectory_rows(episodes, round=0, policy="oracle", source="expert")
         w.write_shard(shard, rows)
-        summary[f"{env_cfg.name}/oracle_success"] = sum(r["success"] for r in rows) / max(len(rows), 1)
-        print(f"expert: {env_cfg.name}: {len(rows)} trajectories, oracle success {summary[f'{env_cfg.name}/oracle_success']:.1%}")
+        ok = sum(r["success"] for r in rows) / max(len(rows), 1)
+        print(f"expert: {env_cfg.name}: {len(rows)} trajectories, oracle success {ok:.1%}")
+    # From every shard, so a run resumed after a crash still summarises the envs done before it.
+    done = pl.from_arrow(w.read_shards().select(["env", "success"]))
+    summary = {
+        f"{env}/oracle_success": float(group["success"].mean()) for (env,), group in done.group_by("env")
+    }
     return w.commit(summary=summary)

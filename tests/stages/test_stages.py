@@ -219,3 +219,27 @@ def test_missing_artifact_is_a_clear_error(chain):
     _, store, _ = chain
     with pytest.raises(ArtifactError, match="no artifact explore-nope"):
         store.get("explore-nope")
+
+
+def test_expert_resumed_after_a_crash_summarises_every_env(tmp_path, monkeypatch):
+    cfg = load_config(None, tiny_overrides(tmp_path))
+    cfg.envs = [cfg.envs[0], cfg.envs[0].model_copy(update={"name": "arith2", "suite": "flywheel.envs.arith:ArithSuite"})]
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    tasks = stages.tasks.run(cfg, store)
+    real = stages.expert.expert_episodes
+    calls = []
+
+    def crash_on_second_env(suite, env_tasks):
+        calls.append(suite.name)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return real(suite, env_tasks)
+
+    monkeypatch.setattr(stages.expert, "expert_episodes", crash_on_second_env)
+    with pytest.raises(RuntimeError, match="killed"):
+        stages.expert.run(cfg, store, tasks)
+    monkeypatch.setattr(stages.expert, "expert_episodes", real)
+    ref = stages.expert.run(cfg, Store(cfg.run.store_root(), cfg.run.name), tasks)
+    # the first env's shard came from the crashed run and still counts in the summary
+    assert calls == ["arith", "arith2"]
+    assert ref.summary == {"arith/oracle_success": 1.0, "arith2/oracle_success": 1.0}

@@ -13,18 +13,30 @@ from flywheel.envs import EnvSuite, Task, row_to_task
 from flywheel.store import ArtifactRef, ArtifactWriter, Store
 
 
-def load_tasks(store: Store, tasks: ArtifactRef, *, env: str, split: str, limit: int | None = None) -> list[Task]:
+def load_tasks(
+    store: Store, tasks: ArtifactRef, *, env: str, split: str, limit: int | None = None, window: int = 0
+) -> list[Task]:
+    """An env's tasks of one split; with ``limit``, the ``window``-th run of ``limit`` tasks
+    (window 0 = the first ``limit``), wrapping around the end of the list."""
     frame = pl.from_arrow(store.read(tasks)).filter((pl.col("env") == env) & (pl.col("split") == split))
-    if limit is not None:
-        frame = frame.head(limit)
+    if limit is not None and frame.height > 0:
+        start = (window * limit) % frame.height
+        frame = pl.concat([frame.slice(start), frame.slice(0, start)]).head(limit)
     return [row_to_task(r) for r in frame.iter_rows(named=True)]
 
 
 def rollout_setup(
-    cfg: Any, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, split: str, limit: int | None
+    cfg: Any,
+    store: Store,
+    policy: ArtifactRef,
+    tasks: ArtifactRef,
+    *,
+    split: str,
+    limit: int | None,
+    window: int = 0,
 ) -> tuple[Any, dict[str, int], list[tuple[EnvSuite, list[Task]]]]:
     """What explore and evaluate both start from: an engine on the policy, each env's step
-    limit, and each env's suite with its tasks of ``split``."""
+    limit, and each env's suite with its tasks of ``split`` (see ``load_tasks`` for ``window``)."""
     from flywheel.checkpoint import load_policy
     from flywheel.engines.hf import HFEngine
     from flywheel.envs import make_suite
@@ -33,7 +45,7 @@ def rollout_setup(
     engine = HFEngine(model, tokenizer, batch_size=cfg.engine.batch_size)
     max_steps = {e.name: e.max_steps for e in cfg.envs}
     tasks_by_env = [
-        (make_suite(e), load_tasks(store, tasks, env=e.name, split=split, limit=limit)) for e in cfg.envs
+        (make_suite(e), load_tasks(store, tasks, env=e.name, split=split, limit=limit, window=window)) for e in cfg.envs
     ]
     return engine, max_steps, tasks_by_env
 

@@ -1,5 +1,9 @@
-"""Stage ``explore``: K sampled rollouts of the current policy on every training task
+"""Stage ``explore``: K sampled rollouts of the current policy on the training tasks
 (source=explore), with each turn's generated ids and behaviour log-probs kept.
+
+With ``explore.n_tasks`` set, round r explores the r-th window of that many tasks of each env
+(round 1 the first N, round 2 the next N, wrapping around the train split), so every round
+learns from prompts the previous rounds did not train on.
 
 Written in shards: killed in the middle, a rerun keeps the finished shards and does the rest.
 
@@ -23,14 +27,16 @@ def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, r
         "trajectories",
         stage="explore",
         round=round,
-        config=cfg.stage_inputs("explore"),
+        config={**cfg.stage_inputs("explore"), "window": round - 1},
         inputs=[policy.id, tasks.id],
         force=force,
     )
     if w.cached:
         return w.ref
     ex = cfg.explore
-    engine, max_steps, tasks_by_env = rollout_setup(cfg, store, policy, tasks, split="train", limit=ex.n_tasks)
+    engine, max_steps, tasks_by_env = rollout_setup(
+        cfg, store, policy, tasks, split="train", limit=ex.n_tasks, window=round - 1
+    )
 
     def rollout(suite, chunk, shard):
         sampling = SamplingParams(

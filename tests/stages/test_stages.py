@@ -20,6 +20,7 @@ import stages.tasks
 from flywheel.checkpoint import load_policy
 from flywheel.config import load_config
 from flywheel.store import ArtifactError, Store
+from stages._common import load_tasks
 from tests.conftest import tiny_overrides
 
 METRICS = (
@@ -243,3 +244,22 @@ def test_expert_resumed_after_a_crash_summarises_every_env(tmp_path, monkeypatch
     # the first env's shard came from the crashed run and still counts in the summary
     assert calls == ["arith", "arith2"]
     assert ref.summary == {"arith/oracle_success": 1.0, "arith2/oracle_success": 1.0}
+
+
+def test_explore_rounds_take_successive_windows_of_the_train_tasks(chain):
+    cfg, store, refs = chain
+    every = [t.task_id for t in load_tasks(store, refs["tasks"], env="arith", split="train")]
+    assert len(every) == N_TRAIN
+    windows = [
+        [t.task_id for t in load_tasks(store, refs["tasks"], env="arith", split="train", limit=10, window=w)]
+        for w in range(3)
+    ]
+    assert windows[0] == every[:10] and windows[1] == every[10:20]
+    assert windows[2] == every[20:] + every[:6]  # wraps around the end of the split
+    # explore with n_tasks: round 2 explores the second window (its own artifact, new prompts)
+    cfg2 = load_config(None, [*tiny_overrides(Path(cfg.run.work_dir).parent), "explore.n_tasks=10"])
+    r1 = stages.explore.run(cfg2, store, refs["sft"], refs["tasks"], round=1)
+    r2 = stages.explore.run(cfg2, store, refs["sft"], refs["tasks"], round=2)
+    ids1 = pl.from_arrow(store.read(r1, columns=["task_id"]))["task_id"].unique().sort().to_list()
+    ids2 = pl.from_arrow(store.read(r2, columns=["task_id"]))["task_id"].unique().sort().to_list()
+    assert ids1 == sorted(windows[0]) and ids2 == sorted(windows[1])

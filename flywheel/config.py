@@ -98,7 +98,7 @@ class ExploreConfig(Section):
     samples_per_task: int = Field(4, ge=1, description="K rollouts per training task.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    n_tasks: int | None = Field(None, description="Explore N training tasks per env per round: round r takes the r-th N, wrapping around the train split (null: all, every round).")
+    n_tasks: int | None = Field(None, ge=1, description="Explore N training tasks per env per round: round r takes the r-th N, wrapping around the train split (null: all, every round).")
     shard_size: int = Field(256, ge=1, description="Episodes per Parquet shard; finished shards survive a crash.")
 
 

@@ -47,6 +47,8 @@ def test_bad_values_and_files(tmp_path):
         load_config(None, ["sft.lr"])
     with pytest.raises(ConfigError, match="no entry named 'nope'"):
         load_config(None, ["envs.nope.n_test=3"])
+    with pytest.raises(ConfigError, match="explore.n_tasks"):
+        load_config(None, ["explore.n_tasks=0"])
 
 
 def test_every_field_has_help():

@@ -130,8 +130,9 @@ def one_round(plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, Artif
     explored = _step(plan, "explore", round, policy, boot["tasks"])
     pairs, groups = _step(plan, "pareto", round, explored, boot["expert"])
     for name in plan.cfg.iteration.steps:
-        data = {"sft": [explored], "dpo": pairs, "grpo": groups}[name]
-        policy = _step(plan, name, round, policy, data)
+        # grpo reads the explore and expert artifacts only with MIX on (grpo.expert_weight > 0).
+        data = {"sft": ([explored],), "dpo": (pairs,), "grpo": (groups, explored, boot["expert"])}[name]
+        policy = _step(plan, name, round, policy, *data)
     _step(plan, "evaluate", round, policy, boot["tasks"])
     return policy
 

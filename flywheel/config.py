@@ -212,6 +212,18 @@ class GrpoConfig(TrainSection):
         True,
         description="Drop groups whose (shaped) rewards are all equal: their advantages are 0 and would only dilute the token mean.",
     )
+    expert_weight: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="MIX (Trinity-RFT, mu there, 0.1): loss = (1 - w) * GRPO + w * token-mean NLL of expert trajectories of this round's unsolved tasks; 0 = plain GRPO.",
+    )
+    expert_ratio: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="MIX: expert trajectories as a share of all trained trajectories (Trinity-RFT: 0.5), capped by the explored tasks no sample solved.",
+    )
 
 
 class IterationConfig(Section):

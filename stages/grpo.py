@@ -14,6 +14,13 @@ reward, n = valid tool calls (``tool_ok``), length = generated tokens, format br
 reason invalid or error, or any invalid action). Its ``s_tool`` and ``s_len`` anneal linearly over
 the flywheel rounds: round r uses ``s * (1 - (r - 1) / run.rounds)``, full strength in round 1.
 
+``expert_weight`` > 0 turns on Trinity-RFT's MIX objective: ``(1 - w) * GRPO + w * NLL`` where the
+NLL is the token mean over expert trajectories mixed into the batches. GRPO learns only from the
+policy's own samples, so a task none of the K samples solved is a flat group and teaches nothing;
+MIX takes the expert trajectories of exactly those tasks of this round's exploration (seeded
+choice, ``expert_ratio`` of all trained trajectories at most). The stage then also reads the
+explore and expert artifacts and lists them as inputs; with ``expert_weight`` 0 it reads neither.
+
 No groups left (none selected, or all flat): the stage warns and writes a checkpoint identical to
 its input with ``skipped`` in the summary, as dpo does.
 
@@ -36,7 +43,7 @@ from flywheel.training.losses import anneal, efficiency_reward, group_advantages
 
 BROKEN_FORMAT = ("invalid", "error")
 # Fields of the section that are not TrainConfig fields.
-OWN_FIELDS = {"efficiency_reward", "s_tool", "s_len", "drop_flat_groups"}
+OWN_FIELDS = {"efficiency_reward", "s_tool", "s_len", "drop_flat_groups", "expert_ratio"}
 
 
 
@@ -104,6 +111,36 @@ def trajectory_example(tokenizer: Any, row: dict[str, Any], advantage: float) ->
     return {"input_ids": ids, "loss_mask": mask, "old_logprobs": old, "advantage": float(advantage)}
 
 
+def unsolved_expert(
+    explored: pl.DataFrame, expert: pl.DataFrame, n_policy: int, gc: GrpoConfig, seed: int
+) -> pl.DataFrame:
+    """MIX's expert rows: the successful expert trajectories of the explored tasks that no sample
+    solved, at most ``expert_ratio / (1 - expert_ratio) * n_policy`` of them (a seeded choice)."""
+    unsolved = (
+        explored.group_by("env", "task_id")
+        .agg(solved=pl.col("success").fill_null(False).any())
+        .filter(~pl.col("solved"))
+    )
+    candidates = (
+        expert.filter(pl.col("success").fill_null(False))
+        .join(unsolved.select("env", "task_id"), on=["env", "task_id"], how="semi")
+        .unique(["env", "task_id"], keep="first")
+        .sort("env", "task_id")
+    )
+    want = round(gc.expert_ratio / (1.0 - gc.expert_ratio) * n_policy)
+    return candidates.sample(min(want, candidates.height), seed=seed, shuffle=True)
+
+
+def expert_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """An expert trajectory -> a grpo example trained by MIX's NLL term only (advantage 0, no
+    behaviour log-probs: the expert is not a policy we sampled)."""
+    ids, mask = encode_chat(tokenizer, row["messages"])
+    if not any(mask):
+        raise ValueError(f"grpo: expert trajectory {row['env']}/{row['task_id']} has no trained turn")
+    return {"input_ids": ids, "loss_mask": mask, "old_logprobs": [0.0] * len(ids), "advantage": 0.0,
+            "expert": 1.0}  # fmt: skip
+
+
 def prepare(
     frame: pl.DataFrame, gc: GrpoConfig, s_tool: float, s_len: float
 ) -> tuple[pl.DataFrame, dict[str, int]]:
@@ -131,18 +168,23 @@ def run(
     store: Store,
     policy: ArtifactRef,
     groups: ArtifactRef,
+    explored: ArtifactRef | None = None,
+    expert: ArtifactRef | None = None,
     *,
     round: int,
     log=None,
     force: bool = False,
 ) -> ArtifactRef:
     gc: GrpoConfig = cfg.grpo  # type: ignore[attr-defined]
+    mix = gc.expert_weight > 0
+    if mix and (explored is None or expert is None):
+        raise ValueError("grpo: expert_weight > 0 needs the round's explore and the expert artifacts")
     w = store.writer(
         "checkpoints",
         stage="grpo",
         round=round,
         config=artifact_config(cfg, round),
-        inputs=[policy.id, groups.id],
+        inputs=[policy.id, groups.id] + ([explored.id, expert.id] if mix else []),  # type: ignore[union-attr]
         force=force,
     )
     if w.cached:
@@ -172,15 +214,25 @@ def run(
     examples = [
         trajectory_example(tokenizer, row, row["advantage"]) for row in rows.iter_rows(named=True)
     ]
+    n_expert = 0
+    if mix:
+        gold = unsolved_expert(
+            pl.from_arrow(store.read(explored)), pl.from_arrow(store.read(expert)),  # type: ignore[arg-type]
+            len(examples), gc, cfg.run.seed,
+        )  # fmt: skip
+        examples = [ex | {"expert": 0.0} for ex in examples]
+        examples += [expert_example(tokenizer, row) for row in gold.iter_rows(named=True)]
+        n_expert = gold.height
     tc = TrainConfig(**gc.model_dump(exclude=OWN_FIELDS), seed=cfg.run.seed)
     ref_model = copy.deepcopy(model) if gc.kl_coef > 0 else None
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     used = counts["groups_in"] - (counts["groups_flat"] if gc.drop_flat_groups else 0)
     print(
-        f"grpo: round {round}, {used} groups ({counts['groups_flat']} flat), {len(examples)} "
+        f"grpo: round {round}, {used} groups ({counts['groups_flat']} flat), {len(examples) - n_expert} "
         f"trajectories from {groups.id}"
         + (f", efficiency reward s_tool {s_tool:g} s_len {s_len:g}" if gc.efficiency_reward else "")
+        + (f", MIX: {n_expert} expert trajectories of unsolved tasks, weight {gc.expert_weight:g}" if mix else "")
     )
     result = train(model, examples, loss="grpo", cfg=tc, out_dir=out, ref_model=ref_model, log=log)
     write_train_log(out, result.history)
@@ -188,7 +240,7 @@ def run(
     summary = {
         "groups": used,
         "groups_flat": counts["groups_flat"],
-        "trajectories": len(examples),
+        "trajectories": len(examples) - n_expert,
         "mean_abs_advantage": float(frame["advantage"].abs().mean()),  # type: ignore[arg-type]
         "mean_reward": float(frame["train_reward"].mean()),  # type: ignore[arg-type]
         "clip_fraction": sum(h["clip_fraction"] for h in history) / len(history),
@@ -197,6 +249,11 @@ def run(
     }
     if gc.efficiency_reward:
         summary |= {"s_tool": s_tool, "s_len": s_len}
+    if mix:
+        summary |= {
+            "expert_trajectories": n_expert,
+            "expert_nll": sum(h["expert_nll"] for h in history) / len(history),
+        }
     return write_checkpoint(
         w, model, tokenizer, policy="grpo", round=round, parent=policy.id,
         base=policy.summary.get("base", ""), train_steps=result.steps,

@@ -13,6 +13,7 @@ The sft, dpo and grpo stages turn trajectories into plain dicts of python lists,
 | grpo | old_logprobs | list[float] | log-prob of token t under the behaviour policy at index t; 0 where loss_mask is 0 |
 | grpo | advantage | float | the trajectory's group advantage, broadcast to its trained tokens |
 | grpo | ref_logprobs | list[float], optional | as old_logprobs, under the reference policy |
+| grpo | expert | float, optional | 1 on an expert trajectory (MIX: trained by NLL, not by the GRPO term), else 0 |
 
 Truncation keeps the START of every sequence (the task prompt and the first turns) and drops the
 tail: a later assistant turn is lost rather than the instruction it answers. Precomputed reference
@@ -59,10 +60,10 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 OPTIONAL: dict[str, tuple[str, ...]] = {
     "sft": (),
     "dpo": ("ref_chosen_logp", "ref_rejected_logp"),
-    "grpo": ("ref_logprobs",),
+    "grpo": ("ref_logprobs", "expert"),
 }
 FLOAT_TOKENS = {"old_logprobs", "ref_logprobs"}
-SCALARS = {"advantage", "ref_chosen_logp", "ref_rejected_logp"}
+SCALARS = {"advantage", "ref_chosen_logp", "ref_rejected_logp", "expert"}
 
 
 def validate(examples: Sequence[Example], kind: Kind) -> None:

@@ -67,6 +67,7 @@ class TrainConfig:
     nll_weight: float = 0.0  # DPO: + this * token-mean NLL of the chosen side (keeps it likely)
     clip: float = 0.2  # GRPO ratio clip
     kl_coef: float = 0.0  # GRPO weight of 0.5*(logp - logp_ref)^2
+    expert_weight: float = 0.0  # GRPO (MIX): weight of the expert rows' NLL; 1 - this on the GRPO term
     weight_decay: float = 0.0  # AdamW weight decay, on matrices only
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     bf16: bool = True  # bf16 weights and compute on an accelerator; always off on CPU
@@ -235,11 +236,17 @@ def _batch_loss(
             with torch.no_grad():
                 ref_tokens = losses.token_logprobs(_logits(ref_model, ids, attention), ids)
         # Stored per-token fields are aligned with input_ids; logprobs start at token 1.
+        mask = batch["loss_mask"][:, 1:]
+        expert = batch.get("expert")
+        policy_mask = mask if expert is None else mask * (1 - expert.to(mask.dtype)).unsqueeze(-1)
         value, grpo_stats = losses.grpo_loss(
-            logprobs, batch["old_logprobs"][:, 1:], batch["advantage"], batch["loss_mask"][:, 1:],
+            logprobs, batch["old_logprobs"][:, 1:], batch["advantage"], policy_mask,
             clip=cfg.clip, ref_logprobs=ref_tokens, kl_coef=cfg.kl_coef,
         )  # fmt: skip
-        return value, grpo_stats._asdict()
+        if expert is None:
+            return value, grpo_stats._asdict()
+        value, nll = losses.mix_loss(value, logprobs, mask, expert, cfg.expert_weight)
+        return value, grpo_stats._asdict() | {"expert_nll": nll}
     raise ValueError(f"unknown loss {kind!r}; expected sft, dpo or grpo")
 
 
@@ -367,6 +374,8 @@ def _check_reference(
     needs_ref = kind == "dpo" or (kind == "grpo" and cfg.kl_coef > 0)
     if needs_ref and precomputed not in examples[0] and ref_model is None:
         raise ValueError(f"{kind} needs {precomputed} on the examples or a ref_model")
+    if kind == "grpo" and cfg.expert_weight <= 0 and any(ex.get("expert") for ex in examples):
+        raise ValueError("grpo examples include expert rows but expert_weight is 0: they would not be trained")
     if ref_model is not None and ref_model is model:
         raise ValueError("ref_model must be a frozen copy of the policy, not the policy itself")
 

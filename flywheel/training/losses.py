@@ -1,4 +1,4 @@
-"""The three training losses (masked CE, DPO, GRPO) and the ET-Agent efficiency reward, in pure torch.
+"""The training losses (masked CE, DPO, GRPO and its MIX variant with expert NLL) and the ET-Agent efficiency reward, in pure torch.
 
 Formulas are those of ALGORITHMS.md ("Expert SFT", "DPO", "GRPO"). Conventions shared by all:
 
@@ -145,6 +145,22 @@ def grpo_loss(
     clip_fraction = ((clipped > unclipped) & mask).sum() / tokens
     ratio_mean = torch.where(mask, ratio, 0.0).sum() / tokens
     return loss, GRPOStats(clip_fraction.detach(), ratio_mean.detach(), kl.detach())
+
+
+def mix_loss(
+    grpo_value: torch.Tensor,
+    logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    expert: torch.Tensor,
+    weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trinity-RFT's MIX objective: ``(1 - weight) * grpo_value + weight * NLL``, where NLL is the
+    token-mean negative log-prob over the trained tokens of the expert rows (``expert`` [B] is 1
+    on them). ``grpo_value`` must already exclude the expert rows. A batch without expert rows
+    adds an NLL of 0. Returns (loss, detached NLL)."""
+    mask = loss_mask.bool() & expert.bool().unsqueeze(-1)
+    nll = -torch.where(mask, logprobs, 0.0).sum() / mask.sum().clamp(min=1)
+    return (1.0 - weight) * grpo_value + weight * nll, nll.detach()
 
 
 def efficiency_reward(

@@ -397,3 +397,86 @@ def test_contracts_have_what_the_stages_read():
             "task_id", "env", "kind", "chosen_sample_idx", "rejected_sample_idx"} <= set(pairs_contract.SCHEMA.names)  # fmt: skip
     assert {"env", "task_id", "sample_idx", "policy", "reward", "tool_ok", "tokens", "finish_reason",
             "invalid_actions", "messages", "turn_token_ids", "turn_logprobs"} <= set(groups_contract.SCHEMA.names)  # fmt: skip
+
+
+# -- GRPO with MIX (expert NLL) ---------------------------------------------------------------
+
+
+def trajectory_artifact(store: Store, stage: str, rows: list[dict]):
+    from data_contracts import trajectories
+
+    names = trajectories.SCHEMA.names
+    filler = {"split": "train", "source": stage, "steps": 2, "seed": 0, "tool_errors": 0}
+    w = store.writer("trajectories", stage=stage, round=1, config={"rows": len(rows)}, inputs=[])
+    w.write_shard(
+        0, [{k: (r | filler)[k] if k in r or k in filler else None for k in names} for r in rows]
+    )
+    return w.commit()
+
+
+@pytest.fixture(scope="module")
+def mix_inputs(world, sampled):
+    """An explore artifact where t0 was solved once and t1, t2, t3 never; expert trajectories
+    for t0..t3, the one for t3 a failure (the oracle missed it), so only t1 and t2 qualify."""
+    store, _, _ = world
+    frame = pl.from_arrow(store.read(sampled))
+    explored = [
+        r | {"success": r["task_id"] == "t0" and r["sample_idx"] == 0} for r in frame.to_dicts()
+    ]
+    explored += [r | {"task_id": "t3", "success": False} for r in frame.to_dicts()[:4]]
+    gold = [
+        frame.row(0, named=True)
+        | {"task_id": t, "sample_idx": 0, "messages": [*PROMPT, *EXPERT], "success": t != "t3",
+           "reward": float(t != "t3"), "turn_token_ids": None, "turn_logprobs": None}
+        for t in ("t0", "t1", "t2", "t3")
+    ]  # fmt: skip
+    return trajectory_artifact(store, "explore", explored), trajectory_artifact(
+        store, "expert", gold
+    )
+
+
+def test_mix_takes_expert_trajectories_of_unsolved_tasks_only(world, mix_inputs):
+    store, _, _ = world
+    explored, expert = (pl.from_arrow(store.read(ref)) for ref in mix_inputs)
+    gc = GrpoConfig(expert_weight=0.1)
+    picked = grpo.unsolved_expert(explored, expert, n_policy=8, gc=gc, seed=0)
+    assert sorted(picked["task_id"]) == ["t1", "t2"]  # t0 solved, t3's expert failed
+    # expert_ratio caps the share: 0.5 of 3 trained trajectories -> 3 expert ones wanted, 1/3 -> 1.
+    one = grpo.unsolved_expert(
+        explored, expert, n_policy=2, gc=GrpoConfig(expert_ratio=1 / 3), seed=0
+    )
+    assert len(one) == 1
+    again = grpo.unsolved_expert(
+        explored, expert, n_policy=2, gc=GrpoConfig(expert_ratio=1 / 3), seed=0
+    )
+    assert one["task_id"].to_list() == again["task_id"].to_list()
+
+
+def test_grpo_mix_trains_the_expert_turns_and_records_its_inputs(world, sampled, mix_inputs):
+    store, tokenizer, policy = world
+    explored, expert = mix_inputs
+    cfg = Cfg(
+        grpo=GrpoConfig(lr=3e-3, epochs=3, expert_weight=0.5, **TRAIN | {"micro_batch_size": 4})
+    )
+    with pytest.raises(ValueError, match="needs the round's explore and the expert artifacts"):
+        grpo.run(cfg, store, policy, sampled, round=1)
+    ref = grpo.run(cfg, store, policy, sampled, explored, expert, round=1)
+    assert ref.inputs == [policy.id, sampled.id, explored.id, expert.id]
+    s = ref.summary
+    assert (s["groups"], s["trajectories"], s["expert_trajectories"]) == (2, 8, 2)
+    log = train_log(store, ref)
+    assert len(log) == 9 and all(math.isfinite(e["expert_nll"]) for e in log)  # 10 rows / 4 x 3
+    # The expert's answer became more likely; plain GRPO (weight 0) reads neither extra artifact.
+    ids, mask = encode_chat(tokenizer, [*PROMPT, *EXPERT])
+    batch = torch.tensor([ids])
+
+    def nll(ref_):
+        model, _ = load_policy(store, ref_)
+        with torch.no_grad():
+            return masked_ce(model(input_ids=batch).logits, batch, torch.tensor([mask])).item()
+
+    plain_cfg = GrpoConfig(lr=3e-3, epochs=3, **TRAIN | {"micro_batch_size": 4})
+    plain = grpo.run(Cfg(grpo=plain_cfg), store, policy, sampled, explored, expert, round=1)
+    assert plain.inputs == [policy.id, sampled.id] and "expert_trajectories" not in plain.summary
+    print(f"expert NLL: start {nll(policy):.3f}, GRPO {nll(plain):.3f}, MIX {nll(ref):.3f}")
+    assert nll(ref) < min(nll(policy), nll(plain)) - 0.2

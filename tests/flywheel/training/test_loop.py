@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flywheel.training import loop
+from flywheel.training import data, loop
 from flywheel.training.loop import TrainConfig, compute_ref_logps, deepspeed_config, train
-from flywheel.training.losses import token_logprobs
+from flywheel.training.losses import masked_ce, token_logprobs
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -190,8 +190,6 @@ def test_dpo_with_precomputed_reference(tmp_path: Path) -> None:
 
 
 def test_dpo_nll_weight_adds_the_chosen_token_mean_nll() -> None:
-    from flywheel.training import data
-    from flywheel.training.losses import masked_ce
 
     model = tiny_model()
     examples = pairs(4)
@@ -253,6 +251,30 @@ def test_grpo_trains(tmp_path: Path) -> None:
     assert all(torch.isfinite(torch.tensor([r["loss"] for r in result.history])))
     assert result.history[-1]["kl"] > 0  # the policy moved away from the reference
     assert not torch.allclose(before, saved_params(tmp_path))
+
+
+def test_mix_batch_trains_expert_rows_by_nll_only(tmp_path: Path) -> None:
+    # Two policy rows (advantages +-1) and two expert rows with a huge advantage that must be ignored.
+    model = tiny_model()
+    policy_rows = [ex | {"expert": 0.0} for ex in rollouts(model, 2)]
+    expert_rows = [
+        ex | {"old_logprobs": [0.0] * len(ex["input_ids"]), "advantage": 100.0, "expert": 1.0,
+              "ref_logprobs": [0.0] * len(ex["input_ids"])}
+        for ex in counting(2, seed=5)
+    ]  # fmt: skip
+    cfg = TrainConfig(**CFG | {"expert_weight": 0.3})
+    batch = data.collate(policy_rows + expert_rows, "grpo")
+    with torch.no_grad():
+        value, stats = loop._batch_loss(model, batch, "grpo", cfg, None)
+        only_policy, _ = loop._batch_loss(model, data.collate(policy_rows, "grpo"), "grpo", cfg, None)
+        experts = data.collate(expert_rows, "grpo")
+        logits = model(input_ids=experts["input_ids"]).logits
+        nll = masked_ce(logits, experts["input_ids"], experts["loss_mask"])
+    # Policy rows alone hold no expert row, so their value is 0.7 * GRPO; the mixed batch adds 0.3 * NLL.
+    assert value.item() == pytest.approx(only_policy.item() + 0.3 * nll.item(), rel=1e-4)
+    assert stats["expert_nll"].item() == pytest.approx(nll.item(), rel=1e-4)
+    with pytest.raises(ValueError, match="expert rows but expert_weight is 0"):
+        train(model, policy_rows + expert_rows, loss="grpo", cfg=TrainConfig(**CFG), out_dir=tmp_path)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -14,6 +14,7 @@ from flywheel.training.losses import (
     group_advantages,
     grpo_loss,
     masked_ce,
+    mix_loss,
     sequence_logprob,
     token_logprobs,
 )
@@ -127,6 +128,25 @@ def test_grpo_token_mean_and_kl() -> None:
     assert stats.kl.item() == pytest.approx(0.005, abs=1e-7)
     assert loss.item() == pytest.approx(-0.5 + 0.01, abs=1e-6)
     assert stats.clip_fraction.item() == 0.0
+
+
+def test_mix_loss_by_hand() -> None:
+    # Rows 0 and 2 are expert rows; row 1 is a policy row (its tokens belong to the GRPO term).
+    # Expert trained tokens: row 0 log-probs -1 and -2 (third token masked), row 2 log-prob -3.
+    # NLL = (1 + 2 + 3) / 3 = 2; weight 0.25: 0.75 * 0.4 + 0.25 * 2 = 0.8.
+    logprobs = torch.tensor(
+        [[-1.0, -2.0, -9.0], [-5.0, -5.0, -5.0], [-3.0, 0.0, 0.0]], requires_grad=True
+    )
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    loss, nll = mix_loss(torch.tensor(0.4), logprobs, mask, torch.tensor([1.0, 0.0, 1.0]), 0.25)
+    assert nll.item() == pytest.approx(2.0) and loss.item() == pytest.approx(0.8)
+    loss.backward()
+    # d/dlogp of -0.25 * sum / 3 on every trained expert token; nothing on the policy row.
+    expected = [[-0.25 / 3, -0.25 / 3, 0.0], [0.0, 0.0, 0.0], [-0.25 / 3, 0.0, 0.0]]
+    assert torch.allclose(logprobs.grad, torch.tensor(expected))
+    # A batch without expert rows adds nothing.
+    loss, nll = mix_loss(torch.tensor(0.4), logprobs, mask, torch.zeros(3), 0.25)
+    assert nll.item() == 0.0 and loss.item() == pytest.approx(0.3)
 
 
 def test_efficiency_reward_by_hand() -> None:

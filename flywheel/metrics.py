@@ -1,6 +1,7 @@
 """Evaluation metrics of ALGORITHMS.md, computed per env with polars over eval rows.
 
-- success_rate, avg_reward (sum / number of tasks; a missing reward counts 0)
+- n_tasks (distinct tasks) and n_episodes (explore samples K episodes per task, evaluate one)
+- success_rate, avg_reward (sum / number of episodes; a missing reward counts 0)
 - avg_steps, avg_tool_calls, reasoning_tokens (generated assistant tokens, tool output excluded)
 - tool_success: share of tool results that are non-empty and not an error or timeout
 - efficiency: mean over tasks of acc / tool_calls (acc when there was no tool call)
@@ -19,7 +20,8 @@ def summarize(frame: pl.DataFrame) -> dict[str, dict[str, float]]:
     per_env = (
         frame.group_by("env")
         .agg(
-            n_tasks=pl.len(),
+            n_tasks=pl.col("task_id").n_unique(),
+            n_episodes=pl.len(),  # explore samples K per task; evaluate one
             success_rate=acc.mean(),
             avg_reward=pl.col("reward").fill_null(0.0).sum() / pl.len(),
             avg_steps=pl.col("steps").mean(),

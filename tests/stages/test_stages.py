@@ -27,6 +27,7 @@ METRICS = (
     "success_rate",
     "avg_reward",
     "n_tasks",
+    "n_episodes",
     "tool_success",
     "efficiency",
     "reasoning_tokens",
@@ -102,12 +103,16 @@ def test_row_counts_and_lineage(chain):
 def test_summary_has_every_metric_per_env(chain, name):
     _, store, refs = chain
     ref = refs[name]
-    frame = pl.from_arrow(store.read(ref, columns=["env", "success", "reward", "tokens"]))
+    frame = pl.from_arrow(
+        store.read(ref, columns=["env", "task_id", "success", "reward", "tokens"])
+    )
     for metric in METRICS:
         assert f"arith/{metric}" in ref.summary, metric
         assert math.isfinite(ref.summary[f"arith/{metric}"])
     # the summary is computed from the rows, not made up
-    assert ref.summary["arith/n_tasks"] == len(frame)
+    assert ref.summary["arith/n_episodes"] == len(frame)
+    assert ref.summary["arith/n_tasks"] == frame["task_id"].n_unique()
+    assert ref.summary["arith/n_tasks"] == (len(frame) / K if name == "explore" else len(frame))
     assert ref.summary["arith/success_rate"] == pytest.approx(frame["success"].mean())
     assert ref.summary["arith/avg_reward"] == pytest.approx(frame["reward"].sum() / len(frame))
     assert ref.summary["arith/reasoning_tokens"] == pytest.approx(frame["tokens"].mean())

@@ -92,6 +92,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; overrides may also follow options (``stage grpo --round 1 a.b=c``), which
+    plain argparse rejects once the positional list has been matched before the option."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def _store(config: str | None):
     from flywheel.config import load_config
     from flywheel.store import Store
@@ -109,7 +121,7 @@ def _print_lineage(node: dict, depth: int = 0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _environment()
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     from data_contracts import SchemaError
     from flywheel.config import ConfigError
     from flywheel.store import ArtifactError

@@ -66,6 +66,19 @@ def test_unknown_override_key_is_one_line_and_starts_nothing(tmp_path, capsys, m
     assert folders(tmp_path) == before  # no work/ folder, no store, no Prefect database
 
 
+def test_overrides_may_follow_options():
+    from flywheel.cli import _parse
+
+    args = _parse(["stage", "grpo", "--round", "1", "grpo.lr=1e-3", "run.seed=-1"])
+    assert (args.name, args.round, args.overrides) == ("grpo", 1, ["grpo.lr=1e-3", "run.seed=-1"])
+    args = _parse(["run", "a.b=1", "--rounds", "2", "c.d=2"])
+    assert (args.rounds, args.overrides) == (2, ["a.b=1", "c.d=2"])
+    with pytest.raises(SystemExit):
+        _parse(["stage", "grpo", "--round", "1", "--nope"])
+    with pytest.raises(SystemExit):
+        _parse(["report", "extra"])  # report takes no overrides
+
+
 def test_unknown_key_in_yaml_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run:\n  rounds: 1\nsft:\n  lrr: 0.1\n")

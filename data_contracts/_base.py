@@ -46,18 +46,26 @@ def validate_table(contract: Contract, table: pa.Table, where: str) -> pa.Table:
     return table.select(expected.names)
 
 
-def table_from_rows(contract: Contract, rows: list[dict[str, Any]], where: str = "rows") -> pa.Table:
+def table_from_rows(
+    contract: Contract, rows: list[dict[str, Any]], where: str = "rows"
+) -> pa.Table:
     """Build a table with the contract's schema from row dicts, with a one-line error."""
     names = set(contract.schema.names)
     for i, row in enumerate(rows):
         missing = names - row.keys()
         if missing:
-            raise SchemaError(f"schema mismatch in {where}: row {i} lacks column {sorted(missing)[0]!r}")
+            raise SchemaError(
+                f"schema mismatch in {where}: row {i} lacks column {sorted(missing)[0]!r}"
+            )
         extra = row.keys() - names
         if extra:
-            raise SchemaError(f"schema mismatch in {where}: row {i} has unexpected column {sorted(extra)[0]!r}")
+            raise SchemaError(
+                f"schema mismatch in {where}: row {i} has unexpected column {sorted(extra)[0]!r}"
+            )
     try:
         return pa.Table.from_pylist(rows, schema=contract.schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as err:
         msg = str(err).splitlines()[0]
-        raise SchemaError(f"schema mismatch in {where}: {msg} ({contract.kind} v{contract.version})") from None
+        raise SchemaError(
+            f"schema mismatch in {where}: {msg} ({contract.kind} v{contract.version})"
+        ) from None

@@ -55,9 +55,14 @@ STAGES = {
 BOOTSTRAP_ONLY = ("tasks", "expert", "init")
 ROUNDS_ONLY = ("explore", "pareto", "dpo", "grpo")
 
+# A stage's input is an artifact or a list of them (sft's trajectory artifacts); it returns its
+# artifact, or a tuple of them (pareto writes pairs and groups).
+StageInput = ArtifactRef | list[ArtifactRef]
+StageResult = ArtifactRef | tuple[ArtifactRef, ...]
+
 
 class StopAfter(Exception):  # noqa: N818 - control flow, not an error
-    def __init__(self, ref: ArtifactRef):
+    def __init__(self, ref: StageResult):
         self.ref = ref
 
 
@@ -76,7 +81,7 @@ class Plan:
 
 
 @task(cache_policy=NONE, task_run_name="{name}-round-{round}")
-def run_stage(name: str, round: int, plan: Plan, *inputs: ArtifactRef, **kwargs) -> ArtifactRef | tuple[ArtifactRef, ...]:
+def run_stage(name: str, round: int, plan: Plan, *inputs: StageInput, **kwargs) -> StageResult:
     force = plan.force_all or (name, round) in plan.force
     module = STAGES[name]
     if name in BOOTSTRAP_ONLY:
@@ -86,11 +91,15 @@ def run_stage(name: str, round: int, plan: Plan, *inputs: ArtifactRef, **kwargs)
     return ref
 
 
-def _step(plan: Plan, name: str, round: int, *inputs: ArtifactRef, last: bool = True, **kwargs) -> ArtifactRef:
+def _run(
+    plan: Plan, name: str, round: int, *inputs: StageInput, last: bool = True, **kwargs
+) -> StageResult:
     """Run one stage; ``last=False`` marks a stage that runs again later in the same round
     (round 0 evaluates pi_init, then the SFT policy), so ``stage`` stops at the later one."""
     t0 = time.perf_counter()
-    result = run_stage.with_options(retries=RETRIES.get(name, 0))(name, round, plan, *inputs, **kwargs)
+    result = run_stage.with_options(retries=RETRIES.get(name, 0))(
+        name, round, plan, *inputs, **kwargs
+    )
     took = time.perf_counter() - t0
     for ref in result if isinstance(result, tuple) else (result,):
         cached = ref.id not in plan.store.committed
@@ -101,6 +110,15 @@ def _step(plan: Plan, name: str, round: int, *inputs: ArtifactRef, last: bool = 
             plan.evaluations.append(ref.id)
     if plan.stop_at == (name, round) and last:
         raise StopAfter(result)
+    return result
+
+
+def _step(
+    plan: Plan, name: str, round: int, *inputs: StageInput, last: bool = True, **kwargs
+) -> ArtifactRef:
+    """``_run`` for a stage that writes one artifact (every stage but pareto)."""
+    result = _run(plan, name, round, *inputs, last=last, **kwargs)
+    assert isinstance(result, ArtifactRef), f"stage {name} wrote {len(result)} artifacts"
     return result
 
 
@@ -124,20 +142,28 @@ def bootstrap(plan: Plan) -> dict[str, ArtifactRef]:
     return {"tasks": tasks, "expert": expert, "policy": sft}
 
 
-def one_round(plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, ArtifactRef]) -> ArtifactRef:
+def one_round(
+    plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, ArtifactRef]
+) -> ArtifactRef:
     """Round r >= 1: explore with pi_r, mine pairs and groups, run the configured training
     steps (each from the previous step's checkpoint), evaluate pi_{r+1}."""
     explored = _step(plan, "explore", round, policy, boot["tasks"])
-    pairs, groups = _step(plan, "pareto", round, explored, boot["expert"])
+    mined = _run(plan, "pareto", round, explored, boot["expert"])
+    assert isinstance(mined, tuple)  # pareto writes two artifacts
+    pairs, groups = mined
     for name in plan.cfg.iteration.steps:
         # grpo reads the explore and expert artifacts only with MIX on (grpo.expert_weight > 0).
-        data = {"sft": ([explored],), "dpo": (pairs,), "grpo": (groups, explored, boot["expert"])}[name]
-        policy = _step(plan, name, round, policy, *data)
+        data: dict[str, tuple[StageInput, ...]] = {
+            "sft": ([explored],),
+            "dpo": (pairs,),
+            "grpo": (groups, explored, boot["expert"]),
+        }
+        policy = _step(plan, name, round, policy, *data[name])
     _step(plan, "evaluate", round, policy, boot["tasks"])
     return policy
 
 
-def _walk(plan: Plan, rounds: int) -> ArtifactRef | None:
+def _walk(plan: Plan, rounds: int) -> StageResult | None:
     try:
         boot = bootstrap(plan)
         policy = boot["policy"]
@@ -155,8 +181,10 @@ def _plan(config: str | None, overrides: list[str], **kw) -> Plan:
     return Plan(cfg=cfg, store=store, tracker=tracker, **kw)
 
 
-def _tracked(plan: Plan, name: str, rounds: int) -> ArtifactRef | None:
-    plan.parent_run = plan.tracker.start(name, tags={"run": plan.cfg.run.name, "store": plan.cfg.run.store_root()})
+def _tracked(plan: Plan, name: str, rounds: int) -> StageResult | None:
+    plan.parent_run = plan.tracker.start(
+        name, tags={"run": plan.cfg.run.name, "store": plan.cfg.run.store_root()}
+    )
     plan.tracker.log_params(plan.parent_run, plan.cfg.model_dump())
     status = "FAILED"
     try:
@@ -168,8 +196,12 @@ def _tracked(plan: Plan, name: str, rounds: int) -> ArtifactRef | None:
 
 
 @flow(name="flywheel", validate_parameters=False)
-def flywheel_flow(config: str | None = None, overrides: list[str] | None = None, rounds: int | None = None,
-                  force: bool = False) -> list[dict]:
+def flywheel_flow(
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    rounds: int | None = None,
+    force: bool = False,
+) -> list[dict]:
     """Bootstrap then ``rounds`` rounds (default: the config's run.rounds); prints the report."""
     plan = _plan(config, list(overrides or []), force_all=force)
     n = plan.cfg.run.rounds if rounds is None else rounds
@@ -183,10 +215,13 @@ def flywheel_flow(config: str | None = None, overrides: list[str] | None = None,
 
 
 @flow(name="iteration", validate_parameters=False)
-def iteration_flow(config: str | None = None, overrides: list[str] | None = None, round: int = 1) -> str | None:
+def iteration_flow(
+    config: str | None = None, overrides: list[str] | None = None, round: int = 1
+) -> str | None:
     """One round: everything before it is a cache hit (or is computed if missing)."""
     plan = _plan(config, list(overrides or []))
     ref = _tracked(plan, f"{plan.cfg.run.name}-round-{round}", round)
+    assert not isinstance(ref, tuple)  # without stop_at the walk returns the last policy
     return ref.id if ref else None
 
 
@@ -199,8 +234,13 @@ def check_stage(name: str, round: int) -> None:
 
 
 @flow(name="stage", validate_parameters=False)
-def stage_flow(name: str, round: int = 0, config: str | None = None, overrides: list[str] | None = None,
-               force: bool = False) -> str:
+def stage_flow(
+    name: str,
+    round: int = 0,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    force: bool = False,
+) -> str:
     """One stage of one round (``force`` writes a new version even when nothing changed)."""
     check_stage(name, round)
     plan = _plan(config, list(overrides or []), stop_at=(name, round))
@@ -208,9 +248,13 @@ def stage_flow(name: str, round: int = 0, config: str | None = None, overrides: 
         plan.force.add((name, round))
     rounds = max(round, 0)
     result = _tracked(plan, f"{plan.cfg.run.name}-{name}-round-{round}", rounds)
-    refs = result if isinstance(result, tuple) else (result,)
+    refs: tuple[ArtifactRef, ...] = (
+        () if result is None else result if isinstance(result, tuple) else (result,)
+    )
     if result is None or refs[0].stage != name:
-        raise ValueError(f"stage {name} does not run in round {round} with iteration.steps={plan.cfg.iteration.steps}")
+        raise ValueError(
+            f"stage {name} does not run in round {round} with iteration.steps={plan.cfg.iteration.steps}"
+        )
     return " ".join(ref.id for ref in refs)
 
 

@@ -1,5 +1,7 @@
 """Checkpoint artifacts: a Hugging Face folder (model + tokenizer) plus one descriptive row.
 
+Written by a training stage and read back by the next one:
+
     ref = write_checkpoint(writer, model, tokenizer, policy="sft", round=0, parent=init.id, ...)
     model, tokenizer = load_policy(store, ref)
 """
@@ -41,17 +43,24 @@ def write_checkpoint(
     if save_model:
         model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    row = {
+    row: dict[str, Any] = {
         "policy": policy,
         "round": round,
         "parent": parent,
         "base": base,
-        "num_params": num_params if num_params is not None else sum(p.numel() for p in model.parameters()),
+        "num_params": num_params
+        if num_params is not None
+        else sum(p.numel() for p in model.parameters()),
         "train_steps": train_steps,
         "final_loss": float(final_loss),
     }
     writer.write_shard(0, [row])
-    info = {"policy": policy, "base": base, "num_params": row["num_params"], "train_steps": train_steps}
+    info = {
+        "policy": policy,
+        "base": base,
+        "num_params": row["num_params"],
+        "train_steps": train_steps,
+    }
     if not math.isnan(row["final_loss"]):
         info["final_loss"] = row["final_loss"]
     return writer.commit(summary={**info, **(summary or {})}, extra={"policy": policy})
@@ -76,7 +85,9 @@ def load_policy(store: Store, ref: ArtifactRef) -> tuple[Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
     except (OSError, ValueError) as err:
-        raise ArtifactError(f"checkpoint {ref.id} at {folder} cannot be loaded: {str(err).splitlines()[0]}") from None
+        raise ArtifactError(
+            f"checkpoint {ref.id} at {folder} cannot be loaded: {str(err).splitlines()[0]}"
+        ) from None
     model.eval()
     return model, tokenizer
 

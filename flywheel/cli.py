@@ -28,7 +28,9 @@ def _environment() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("PREFECT_HOME", str(work / "prefect"))
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # its SQLite file lives here
+    Path(os.environ["PREFECT_HOME"]).mkdir(
+        parents=True, exist_ok=True
+    )  # its SQLite file lives here
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The first start of the in-process server migrates its SQLite database: slow on 2 busy cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -48,7 +50,9 @@ def _config_path(arg: str | None) -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flywheel", description="Train LLM agents on their own experience.")
+    p = argparse.ArgumentParser(
+        prog="flywheel", description="Train LLM agents on their own experience."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="bootstrap then N rounds, printing the report")
@@ -60,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stage", help="run one stage of one round (earlier stages are cache hits)")
     st.add_argument("name")
     st.add_argument("--round", type=int, required=True)
-    st.add_argument("--force", action="store_true", help="write a new version even if nothing changed")
+    st.add_argument(
+        "--force", action="store_true", help="write a new version even if nothing changed"
+    )
     st.add_argument("--config")
     st.add_argument("overrides", nargs="*")
 
@@ -85,10 +91,14 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("--fields", action="store_true", help="list every key with its help text")
     cfg.add_argument("overrides", nargs="*")
 
-    srv = sub.add_parser("serve", help="start a Prefect server and worker on 127.0.0.1 and deploy the flows")
+    srv = sub.add_parser(
+        "serve", help="start a Prefect server and worker on 127.0.0.1 and deploy the flows"
+    )
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=4200)
-    srv.add_argument("--pool", default="flywheel-local", help="process work pool to create and serve")
+    srv.add_argument(
+        "--pool", default="flywheel-local", help="process work pool to create and serve"
+    )
     return p
 
 
@@ -113,7 +123,10 @@ def _store(config: str | None):
 
 
 def _print_lineage(node: dict, depth: int = 0) -> None:
-    metrics = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in list(node["summary"].items())[:4])
+    metrics = ", ".join(
+        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in list(node["summary"].items())[:4]
+    )
     print(f"{'  ' * depth}{node['id']}  [{node['kind']}, round {node['round']}]  {metrics}")
     for child in node["inputs"]:
         _print_lineage(child, depth + 1)
@@ -151,20 +164,32 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from flows.flywheel import flywheel_flow
 
-        flywheel_flow(config=_config_path(args.config), overrides=args.overrides, rounds=args.rounds, force=args.force)
+        flywheel_flow(
+            config=_config_path(args.config),
+            overrides=args.overrides,
+            rounds=args.rounds,
+            force=args.force,
+        )
         return 0
     if args.command == "stage":
         from flows.flywheel import stage_flow
 
-        ref_id = stage_flow(name=args.name, round=args.round, config=_config_path(args.config),
-                            overrides=args.overrides, force=args.force)
+        ref_id = stage_flow(
+            name=args.name,
+            round=args.round,
+            config=_config_path(args.config),
+            overrides=args.overrides,
+            force=args.force,
+        )
         print(ref_id)
         return 0
     if args.command == "artifacts":
         store = _store(args.config)
         if args.action == "ls":
             for ref in store.list(round=args.round, stage=args.stage):
-                print(f"round {ref.round}  {ref.stage:<9} {ref.kind:<12} {ref.id:<28} rows={ref.manifest.get('rows')}  {ref.manifest.get('created')}")
+                print(
+                    f"round {ref.round}  {ref.stage:<9} {ref.kind:<12} {ref.id:<28} rows={ref.manifest.get('rows')}  {ref.manifest.get('created')}"
+                )
             return 0
         if args.action == "show":
             ref = store.get(args.id)

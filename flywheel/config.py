@@ -26,60 +26,120 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = Field("default", description="Run name: the folder under the store and the MLflow run name.")
-    work_dir: str = Field("work", description="Folder for the store, the MLflow database and logs (relative to the current directory).")
-    store: str | None = Field(None, description="Artifact store root: a local path or any fsspec URL (s3://, gs://, memory://). Default: <work_dir>/store.")
-    seed: int = Field(0, description="Seed for task generation, model init, sampling and data order.")
-    rounds: int = Field(2, ge=0, description="Flywheel rounds after the bootstrap (round 0 = tasks, expert, sft).")
-    log_every: int = Field(20, ge=1, description="Print a progress line every this many training steps.")
+    name: str = Field(
+        default="default",
+        description="Run name: the folder under the store and the MLflow run name.",
+    )
+    work_dir: str = Field(
+        default="work",
+        description="Folder for the store, the MLflow database and logs (relative to the current directory).",
+    )
+    store: str | None = Field(
+        default=None,
+        description="Artifact store root: a local path or any fsspec URL (s3://, gs://, memory://). Default: <work_dir>/store.",
+    )
+    seed: int = Field(
+        default=0, description="Seed for task generation, model init, sampling and data order."
+    )
+    rounds: int = Field(
+        default=2,
+        ge=0,
+        description="Flywheel rounds after the bootstrap (round 0 = tasks, expert, sft).",
+    )
+    log_every: int = Field(
+        default=20, ge=1, description="Print a progress line every this many training steps."
+    )
 
     def store_root(self) -> str:
         return self.store or str(Path(self.work_dir) / "store")
 
 
 class TinyModelConfig(Section):
-    hidden_size: int = Field(128, description="Width of the embedded Llama-architecture policy.")
-    num_layers: int = Field(4, description="Transformer layers of the embedded policy.")
-    num_heads: int = Field(4, description="Attention heads of the embedded policy.")
-    intermediate_size: int = Field(384, description="MLP width of the embedded policy.")
-    max_position_embeddings: int = Field(1024, description="Longest sequence the embedded policy accepts.")
+    hidden_size: int = Field(
+        default=128, description="Width of the embedded Llama-architecture policy."
+    )
+    num_layers: int = Field(default=4, description="Transformer layers of the embedded policy.")
+    num_heads: int = Field(default=4, description="Attention heads of the embedded policy.")
+    intermediate_size: int = Field(default=384, description="MLP width of the embedded policy.")
+    max_position_embeddings: int = Field(
+        default=1024, description="Longest sequence the embedded policy accepts."
+    )
 
 
 class ModelConfig(Section):
-    base: str | None = Field(None, description="Local Hugging Face model folder to start from; null builds the embedded tiny policy and tokenizer locally.")
-    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the embedded policy (used when base is null).")
+    base: str | None = Field(
+        default=None,
+        description="Local Hugging Face model folder to start from; null builds the embedded tiny policy and tokenizer locally.",
+    )
+    tiny: TinyModelConfig = Field(
+        default_factory=TinyModelConfig,
+        description="Shape of the embedded policy (used when base is null).",
+    )
 
 
 class EnvConfig(Section):
     name: str = Field(..., description="Env name: a built-in (arith) or a label for a user env.")
-    suite: str | None = Field(None, description="Dotted path 'package.module:Class' of a user EnvSuite; null for built-ins.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the suite's constructor.")
-    n_train: int = Field(2000, ge=1, description="Training tasks generated for this env.")
-    n_test: int = Field(200, ge=1, description="Held-out test tasks generated for this env.")
-    max_steps: int = Field(8, ge=1, description="Agent turns per episode before it is cut (finish reason max_steps).")
+    suite: str | None = Field(
+        default=None,
+        description="Dotted path 'package.module:Class' of a user EnvSuite; null for built-ins.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the suite's constructor."
+    )
+    n_train: int = Field(default=2000, ge=1, description="Training tasks generated for this env.")
+    n_test: int = Field(
+        default=200, ge=1, description="Held-out test tasks generated for this env."
+    )
+    max_steps: int = Field(
+        default=8,
+        ge=1,
+        description="Agent turns per episode before it is cut (finish reason max_steps).",
+    )
 
 
 class EngineConfig(Section):
-    kind: Literal["hf"] = Field("hf", description="Generation engine: hf (in-process transformers).")
-    batch_size: int = Field(256, ge=1, description="Chats per generate call.")
-    max_new_tokens: int = Field(48, ge=1, description="Tokens per assistant turn at most.")
-    env_workers: int = Field(8, ge=1, description="Threads stepping environments in parallel.")
+    kind: Literal["hf"] = Field(
+        default="hf", description="Generation engine: hf (in-process transformers)."
+    )
+    batch_size: int = Field(default=256, ge=1, description="Chats per generate call.")
+    max_new_tokens: int = Field(default=48, ge=1, description="Tokens per assistant turn at most.")
+    env_workers: int = Field(
+        default=8, ge=1, description="Threads stepping environments in parallel."
+    )
 
 
 class TrainSection(Section):
-    epochs: int = Field(3, ge=1, description="Passes over the training examples.")
-    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    warmup_ratio: float = Field(0.03, ge=0, le=1, description="Share of steps spent warming up the learning rate.")
-    schedule: Literal["cosine", "constant"] = Field("cosine", description="Learning-rate shape after warmup: cosine to 0, or constant.")
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward pass per rank.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
-    max_length: int = Field(1024, ge=8, description="Longer sequences are cut at the end.")
-    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
-    bucket_batches: int = Field(1, ge=1, description="Batches sorted by length together to cut padding; 1 = plain shuffle (sorting makes batches alike and slowed SFT on arith).")
-    checkpoint_every: int = Field(0, ge=0, description="Save resumable training state (optimizer, data position) every N steps; 0 = none.")
-    max_steps: int | None = Field(None, description="Stop after this many optimizer steps (null: run all epochs).")
+    epochs: int = Field(default=3, ge=1, description="Passes over the training examples.")
+    lr: float = Field(default=2e-5, gt=0, description="Peak learning rate.")
+    warmup_ratio: float = Field(
+        default=0.03, ge=0, le=1, description="Share of steps spent warming up the learning rate."
+    )
+    schedule: Literal["cosine", "constant"] = Field(
+        default="cosine", description="Learning-rate shape after warmup: cosine to 0, or constant."
+    )
+    micro_batch_size: int = Field(
+        default=16, ge=1, description="Sequences per forward pass per rank."
+    )
+    grad_accum: int = Field(
+        default=1, ge=1, description="Micro-batches accumulated per optimizer step."
+    )
+    max_length: int = Field(default=1024, ge=8, description="Longer sequences are cut at the end.")
+    zero_stage: int = Field(default=2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, ge=0, description="Gradient norm clip (0 disables).")
+    bucket_batches: int = Field(
+        default=1,
+        ge=1,
+        description="Batches sorted by length together to cut padding; 1 = plain shuffle (sorting makes batches alike and slowed SFT on arith).",
+    )
+    checkpoint_every: int = Field(
+        default=0,
+        ge=0,
+        description="Save resumable training state (optimizer, data position) every N steps; 0 = none.",
+    )
+    max_steps: int | None = Field(
+        default=None, description="Stop after this many optimizer steps (null: run all epochs)."
+    )
 
 
 class SftConfig(TrainSection):
@@ -95,77 +155,91 @@ class ExpertConfig(Section):
 
 
 class ExploreConfig(Section):
-    samples_per_task: int = Field(4, ge=1, description="K rollouts per training task.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    n_tasks: int | None = Field(None, ge=1, description="Explore N training tasks per env per round: round r takes the r-th N, wrapping around the train split (null: all, every round).")
-    shard_size: int = Field(256, ge=1, description="Episodes per Parquet shard; finished shards survive a crash.")
+    samples_per_task: int = Field(default=4, ge=1, description="K rollouts per training task.")
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    n_tasks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Explore N training tasks per env per round: round r takes the r-th N, wrapping around the train split (null: all, every round).",
+    )
+    shard_size: int = Field(
+        default=256,
+        ge=1,
+        description="Episodes per Parquet shard; finished shards survive a crash.",
+    )
 
 
 class EvaluateConfig(Section):
-    temperature: float = Field(0.0, ge=0, description="0 = greedy decoding (the default for evaluation).")
-    n_tasks: int | None = Field(None, description="Evaluate on the first N test tasks per env (null: all).")
-    shard_size: int = Field(256, ge=1, description="Episodes per Parquet shard.")
+    temperature: float = Field(
+        default=0.0, ge=0, description="0 = greedy decoding (the default for evaluation)."
+    )
+    n_tasks: int | None = Field(
+        default=None, description="Evaluate on the first N test tasks per env (null: all)."
+    )
+    shard_size: int = Field(default=256, ge=1, description="Episodes per Parquet shard.")
 
 
 class ParetoConfig(Section):
     margin: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="best_worst pairs need reward(best) - reward(worst) > margin (strictly).",
     )
     expert_pairs: bool = Field(
-        True,
+        default=True,
         description="ETO pairs: every explored sample against its task's expert trajectory; the higher reward is chosen, ties give no pair.",
     )
     best_worst_pairs: bool = Field(
-        True,
+        default=True,
         description="Also pair the best and the worst of a task's K samples (ours), so pairs exist without an expert.",
     )
     prefer_pareto_rank: bool = Field(
-        True,
+        default=True,
         description="Among samples of equal reward, pick best/worst by per-trajectory Pareto rank (reward up, tool calls down, tokens down) before tokens.",
     )
     budget: int | None = Field(
-        1024,
+        default=1024,
         ge=0,
         description="GRPO groups to select, counted after the post-filter; null keeps every group that passes it.",
     )
     cut_extra_messages: int = Field(
-        10,
+        default=10,
         ge=0,
         description="The rejected side keeps at most len(chosen trajectory) + this many messages (ETO: len(expert) + 10).",
     )
     graded_threshold: float = Field(
-        0.75,
+        default=0.75,
         ge=0,
         le=1,
         description="Graded (non-binary reward) groups need one reward >= this and one below it.",
     )
     shard_rows: int = Field(
-        50_000, ge=1, description="Rows per Parquet shard of the pairs and groups artifacts."
+        default=50_000,
+        ge=1,
+        description="Rows per Parquet shard of the pairs and groups artifacts.",
     )
 
 
 class DpoConfig(TrainSection):
     beta: list[float] = Field(
-        [0.1, 0.5],
+        default=[0.1, 0.5],
         min_length=1,
         description="DPO inverse temperature per round: round r uses entry r-1, the last one for later rounds (ETO: 0.1, then 0.5).",
     )
     lr: list[float] = Field(  # type: ignore[assignment]
-        [1e-6, 5e-7],
+        default=[1e-6, 5e-7],
         min_length=1,
         description="Peak learning rate per round, indexed like beta (ETO at 7B: 1e-6, then 5e-7; the tiny policy needs ~1e-3).",
     )
-    epochs: int = Field(3, ge=1, description="Passes over the pairs (ETO: 3).")
+    epochs: int = Field(default=3, ge=1, description="Passes over the pairs (ETO: 3).")
     nll_weight: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="Ours: add this times the token-mean NLL of the chosen side to the DPO loss (0 = pure DPO as in ETO); keeps small policies from collapsing.",
     )
     reference: Literal["precomputed", "frozen"] = Field(
-        "precomputed",
+        default="precomputed",
         description="precomputed: score every pair with the starting policy once before training (saved as ref_logps.parquet); frozen: keep a frozen copy of it in memory and score each batch.",
     )
 
@@ -179,81 +253,117 @@ class DpoConfig(TrainSection):
 
 class GrpoConfig(TrainSection):
     lr: float = Field(
-        1e-6,
+        default=1e-6,
         gt=0,
         description="Peak learning rate (1e-6 suits a 7B policy; the tiny embedded policy needs ~1e-4).",
     )
     epochs: int = Field(
-        1, ge=1, description="Passes over the selected trajectories (on-policy: 1)."
+        default=1, ge=1, description="Passes over the selected trajectories (on-policy: 1)."
     )
     clip: float = Field(
-        0.2, gt=0, description="PPO ratio clip: the ratio is kept in [1 - clip, 1 + clip]."
+        default=0.2, gt=0, description="PPO ratio clip: the ratio is kept in [1 - clip, 1 + clip]."
     )
     kl_coef: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="Weight of 0.5*(logp - logp_ref)^2 to the starting policy (Trinity: 0.001); > 0 keeps a frozen copy in memory.",
     )
     efficiency_reward: bool = Field(
-        False,
+        default=False,
         description="Train on ET-Agent's R = raw * f_tool * f_len + f_format instead of the env reward.",
     )
     s_tool: float = Field(
-        0.2,
+        default=0.2,
         ge=0,
         description="Efficiency reward: tool-call sharpness in round 1, annealed linearly to 0 over rounds 1..run.rounds.",
     )
     s_len: float = Field(
-        0.5,
+        default=0.5,
         ge=0,
         description="Efficiency reward: length sharpness in round 1, annealed like s_tool.",
     )
     drop_flat_groups: bool = Field(
-        True,
+        default=True,
         description="Drop groups whose (shaped) rewards are all equal: their advantages are 0 and would only dilute the token mean.",
     )
     expert_weight: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         lt=1,
         description="MIX (Trinity-RFT, mu there, 0.1): loss = (1 - w) * GRPO + w * token-mean NLL of expert trajectories of this round's unsolved tasks; 0 = plain GRPO.",
     )
     expert_ratio: float = Field(
-        0.5,
+        default=0.5,
         gt=0,
         lt=1,
         description="MIX: expert trajectories as a share of all trained trajectories (Trinity-RFT: 0.5), capped by the explored tasks no sample solved.",
     )
 
 
+TrainStep = Literal["sft", "dpo", "grpo"]
+
+
+def _default_steps() -> list[TrainStep]:
+    return ["dpo"]
+
+
 class IterationConfig(Section):
-    steps: list[Literal["sft", "dpo", "grpo"]] = Field(
-        default_factory=lambda: ["dpo"],
+    steps: list[TrainStep] = Field(
+        default_factory=_default_steps,
         min_length=1,
         description="Training steps of every round after the bootstrap, in order; each starts from the previous step's checkpoint (e.g. [dpo], [grpo], [sft, dpo]).",
     )
 
 
 class TrackingConfig(Section):
-    enabled: bool = Field(True, description="Log runs, params, metrics and manifests to MLflow.")
-    uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<work_dir>/mlflow.db.")
-    experiment: str = Field("agent-flywheel", description="MLflow experiment name.")
+    enabled: bool = Field(
+        default=True, description="Log runs, params, metrics and manifests to MLflow."
+    )
+    uri: str | None = Field(
+        default=None, description="MLflow tracking URI; default sqlite:///<work_dir>/mlflow.db."
+    )
+    experiment: str = Field(default="agent-flywheel", description="MLflow experiment name.")
 
 
 class Config(Section):
-    run: RunConfig = Field(default_factory=RunConfig, description="Run identity, paths and the number of rounds.")
+    run: RunConfig = Field(
+        default_factory=RunConfig, description="Run identity, paths and the number of rounds."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy to start from.")
-    envs: list[EnvConfig] = Field(default_factory=lambda: [EnvConfig(name="arith")], description="Environments trained and evaluated on.")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="How the policy generates.")
-    tasks: TasksConfig = Field(default_factory=TasksConfig, description="Task generation (sizes live on each env).")
-    expert: ExpertConfig = Field(default_factory=ExpertConfig, description="Expert trajectories from the envs' oracles.")
-    sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning on expert trajectories.")
-    explore: ExploreConfig = Field(default_factory=ExploreConfig, description="Exploration rollouts of the current policy.")
-    pareto: ParetoConfig = Field(default_factory=ParetoConfig, description="Pairs, group selection and Pareto ranks from explored trajectories.")
+    envs: list[EnvConfig] = Field(
+        default_factory=lambda: [EnvConfig(name="arith")],
+        description="Environments trained and evaluated on.",
+    )
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="How the policy generates."
+    )
+    tasks: TasksConfig = Field(
+        default_factory=TasksConfig, description="Task generation (sizes live on each env)."
+    )
+    expert: ExpertConfig = Field(
+        default_factory=ExpertConfig, description="Expert trajectories from the envs' oracles."
+    )
+    sft: SftConfig = Field(
+        default_factory=SftConfig, description="Supervised fine-tuning on expert trajectories."
+    )
+    explore: ExploreConfig = Field(
+        default_factory=ExploreConfig, description="Exploration rollouts of the current policy."
+    )
+    pareto: ParetoConfig = Field(
+        default_factory=ParetoConfig,
+        description="Pairs, group selection and Pareto ranks from explored trajectories.",
+    )
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="DPO on the round's pairs (ETO).")
-    grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="GRPO on the round's selected groups (ET-Agent / Trinity).")
-    iteration: IterationConfig = Field(default_factory=IterationConfig, description="What a round after the bootstrap trains with.")
-    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Held-out evaluation.")
+    grpo: GrpoConfig = Field(
+        default_factory=GrpoConfig,
+        description="GRPO on the round's selected groups (ET-Agent / Trinity).",
+    )
+    iteration: IterationConfig = Field(
+        default_factory=IterationConfig, description="What a round after the bootstrap trains with."
+    )
+    evaluate: EvaluateConfig = Field(
+        default_factory=EvaluateConfig, description="Held-out evaluation."
+    )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
 
     @model_validator(mode="after")
@@ -273,7 +383,12 @@ class Config(Section):
             "expert": {"envs": envs},
             "init": {"model": self.model.model_dump(), "seed": seed},
             "sft": {"sft": self.sft.model_dump(), "seed": seed},
-            "explore": {"explore": self.explore.model_dump(), "engine": engine, "envs": envs, "seed": seed},
+            "explore": {
+                "explore": self.explore.model_dump(),
+                "engine": engine,
+                "envs": envs,
+                "seed": seed,
+            },
             "evaluate": {"evaluate": self.evaluate.model_dump(), "engine": engine, "envs": envs},
         }
         if stage not in by_stage:
@@ -298,11 +413,15 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             continue
         node = node.setdefault(part, {})
         if not isinstance(node, (dict, list)):
-            raise ConfigError(f"config override {dotted}: {'.'.join(parts[: i + 1])} is not a section")
+            raise ConfigError(
+                f"config override {dotted}: {'.'.join(parts[: i + 1])} is not a section"
+            )
     last = parts[-1]
     if isinstance(node, list):
         # envs.arith.n_test=50 addresses the list entry by name
-        raise ConfigError(f"config override {dotted}: name a field of a list entry, e.g. envs.<name>.<field>")
+        raise ConfigError(
+            f"config override {dotted}: name a field of a list entry, e.g. envs.<name>.<field>"
+        )
     node[last] = value
 
 
@@ -348,7 +467,9 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(_format_error(err)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
     """Read a YAML config (or the defaults when ``path`` is None) and apply overrides."""
     data: dict[str, Any] = {}
     if path is not None:

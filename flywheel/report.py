@@ -15,8 +15,19 @@ from typing import Any
 from flywheel.store import ArtifactError, Store
 
 STATE_FILE = "flywheel.json"
-COLUMNS = ("round", "policy", "env", "success_rate", "avg_reward", "n_tasks", "avg_steps",
-           "avg_tool_calls", "tool_success", "reasoning_tokens", "efficiency")
+COLUMNS = (
+    "round",
+    "policy",
+    "env",
+    "success_rate",
+    "avg_reward",
+    "n_tasks",
+    "avg_steps",
+    "avg_tool_calls",
+    "tool_success",
+    "reasoning_tokens",
+    "efficiency",
+)
 
 
 def collect(store: Store) -> list[dict[str, Any]]:

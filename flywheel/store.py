@@ -25,6 +25,7 @@ The root is a local path or any fsspec URL (``s3://``, ``gs://``, ``memory://``)
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import io
 import json
@@ -127,7 +128,9 @@ class Store:
         base_id = f"{stage}-{digest}"
         latest = self._latest(round, stage, base_id)
         if latest is not None and not force:
-            return ArtifactWriter(self, contract, stage, round, latest.id, config, inputs, cached=latest)
+            return ArtifactWriter(
+                self, contract, stage, round, latest.id, config, inputs, cached=latest
+            )
         version = 1 if latest is None else _version(latest.id) + 1
         art_id = base_id if version == 1 else f"{base_id}.{version}"
         return ArtifactWriter(self, contract, stage, round, art_id, config, inputs)
@@ -166,7 +169,10 @@ class Store:
     def list(self, round: int | None = None, stage: str | None = None) -> list[ArtifactRef]:
         r = "*" if round is None else str(round)
         s = stage or "*"
-        refs = [self._load(p.rsplit("/", 1)[0]) for p in self.fs.glob(f"{self.base}/round-{r}/{s}/*/{MANIFEST}")]
+        refs = [
+            self._load(p.rsplit("/", 1)[0])
+            for p in self.fs.glob(f"{self.base}/round-{r}/{s}/*/{MANIFEST}")
+        ]
         return sorted(refs, key=lambda ref: (ref.round, ref.manifest.get("created", ""), ref.id))
 
     def get(self, artifact_id: str) -> ArtifactRef:
@@ -182,7 +188,8 @@ class Store:
         refs = self.list(round=round, stage=stage)
         return refs[-1] if refs else None
 
-    def read(self, ref: ArtifactRef | str, columns: list[str] | None = None) -> pa.Table:
+    # ``builtins.list``: in the class body ``list`` names the method above.
+    def read(self, ref: ArtifactRef | str, columns: builtins.list[str] | None = None) -> pa.Table:
         """All rows of a table artifact, validated against its contract."""
         ref = self.get(ref) if isinstance(ref, str) else ref
         contract = _contract(ref.kind)
@@ -199,15 +206,21 @@ class Store:
                 with self.fs.open(path, "rb") as fh:
                     table = pq.read_table(fh)
             except FileNotFoundError:
-                raise ArtifactError(f"artifact {ref.id} is missing shard {self._url(path)}") from None
+                raise ArtifactError(
+                    f"artifact {ref.id} is missing shard {self._url(path)}"
+                ) from None
             except (pa.ArrowInvalid, OSError) as err:
-                raise ArtifactError(f"corrupted shard {self._url(path)}: {str(err).splitlines()[0]}") from None
+                raise ArtifactError(
+                    f"corrupted shard {self._url(path)}: {str(err).splitlines()[0]}"
+                ) from None
             tables.append(validate_table(contract, table, self._url(path)))
         if not tables:
             return contract.schema.empty_table()
         table = pa.concat_tables(tables)
         if table.num_rows != ref.manifest.get("rows"):
-            raise ArtifactError(f"artifact {ref.id} has {table.num_rows} rows, manifest says {ref.manifest.get('rows')}")
+            raise ArtifactError(
+                f"artifact {ref.id} has {table.num_rows} rows, manifest says {ref.manifest.get('rows')}"
+            )
         return table.select(columns) if columns else table
 
     def local_path(self, ref: ArtifactRef) -> Path:
@@ -238,8 +251,17 @@ class Store:
 class ArtifactWriter:
     """Writes one artifact version; see the module docstring for the protocol."""
 
-    def __init__(self, store: Store, contract: Contract, stage: str, round: int, art_id: str,
-                 config: Any, inputs: list[str], cached: ArtifactRef | None = None):
+    def __init__(
+        self,
+        store: Store,
+        contract: Contract,
+        stage: str,
+        round: int,
+        art_id: str,
+        config: Any,
+        inputs: list[str],
+        cached: ArtifactRef | None = None,
+    ):
         self.store = store
         self.contract = contract
         self.stage = stage
@@ -270,7 +292,11 @@ class ArtifactWriter:
 
     def finished_shards(self) -> list[int]:
         names = self.store.fs.ls(self.tmp_dir, detail=False)
-        return sorted(int(n.rsplit("/", 1)[-1][5:10]) for n in names if n.endswith(".parquet") and "part-" in n)
+        return sorted(
+            int(n.rsplit("/", 1)[-1][5:10])
+            for n in names
+            if n.endswith(".parquet") and "part-" in n
+        )
 
     def write_shard(self, index: int, rows: list[dict[str, Any]] | pa.Table) -> int:
         """Validate and write one shard atomically; returns its row count."""
@@ -305,7 +331,9 @@ class ArtifactWriter:
             self._local_tmp = Path(tempfile.mkdtemp(prefix=f"flywheel-{self.id}-"))
         return self._local_tmp
 
-    def commit(self, summary: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> ArtifactRef:
+    def commit(
+        self, summary: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
+    ) -> ArtifactRef:
         fs = self.store.fs
         if self._local_tmp is not None:
             fs.put(str(self._local_tmp) + "/", self.tmp_dir + "/", recursive=True)
@@ -356,7 +384,9 @@ def _contract(kind: str) -> Contract:
     try:
         return CONTRACTS[kind]
     except KeyError:
-        raise ArtifactError(f"unknown artifact kind {kind!r}; known: {', '.join(sorted(CONTRACTS))}") from None
+        raise ArtifactError(
+            f"unknown artifact kind {kind!r}; known: {', '.join(sorted(CONTRACTS))}"
+        ) from None
 
 
 def _version(art_id: str) -> int:

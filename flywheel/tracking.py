@@ -17,10 +17,13 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flywheel.checkpoint import TRAIN_LOG
 from flywheel.store import ArtifactRef, Store
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 
 class Tracker:
@@ -28,10 +31,11 @@ class Tracker:
 
     def __init__(self, uri: str | None, experiment: str, enabled: bool = True):
         self.enabled = enabled and uri is not None
-        self.client = None
+        self.client: MlflowClient | None = None
         self._rounds: dict[tuple[str | None, int], str] = {}  # (parent, round) -> round run
         if not self.enabled:
             return
+        assert uri is not None  # enabled implies a uri
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
         logging.getLogger("alembic").setLevel(logging.WARNING)
         from mlflow.tracking import MlflowClient
@@ -40,23 +44,38 @@ class Tracker:
             Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.experiment_id = (
+            found.experiment_id if found else self.client.create_experiment(experiment)
+        )
 
-    def start(self, name: str, parent: str | None = None, tags: dict[str, str] | None = None) -> str | None:
+    def start(
+        self, name: str, parent: str | None = None, tags: dict[str, str] | None = None
+    ) -> str | None:
         if not self.enabled:
             return None
+        return self._create_run(name, parent, tags)
+
+    @property
+    def _mlflow(self) -> MlflowClient:
+        """The client of an enabled tracker (the only kind that calls it)."""
+        assert self.client is not None, "tracking is off"
+        return self.client
+
+    def _create_run(
+        self, name: str, parent: str | None = None, tags: dict[str, str] | None = None
+    ) -> str:
         all_tags = dict(tags or {})
         if parent:
             all_tags["mlflow.parentRunId"] = parent
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        run = self._mlflow.create_run(self.experiment_id, run_name=name, tags=all_tags)
         return run.info.run_id
 
     def end(self, run_id: str | None, status: str = "FINISHED") -> None:
         """End a run, and the round runs nested under it."""
         if self.enabled and run_id:
             for key in [k for k in self._rounds if k[0] == run_id]:
-                self.client.set_terminated(self._rounds.pop(key), status=status)
-            self.client.set_terminated(run_id, status=status)
+                self._mlflow.set_terminated(self._rounds.pop(key), status=status)
+            self._mlflow.set_terminated(run_id, status=status)
 
     def round_run(self, parent: str | None, round: int) -> str | None:
         """The run of one round nested under ``parent``, started when its first stage logs."""
@@ -64,7 +83,9 @@ class Tracker:
             return None
         key = (parent, round)
         if key not in self._rounds:
-            self._rounds[key] = self.start(f"round-{round}", parent, tags={"round": str(round)})
+            self._rounds[key] = self._create_run(
+                f"round-{round}", parent, tags={"round": str(round)}
+            )
         return self._rounds[key]
 
     def log_params(self, run_id: str | None, params: dict[str, Any]) -> None:
@@ -75,7 +96,7 @@ class Tracker:
         flat = _flatten(params)
         items = [Param(k[:250], str(v)[:6000]) for k, v in flat.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(run_id, params=items[i : i + 100])
+            self._mlflow.log_batch(run_id, params=items[i : i + 100])
 
     def log_metrics(self, run_id: str | None, metrics: dict[str, Any], step: int = 0) -> None:
         if not (self.enabled and run_id):
@@ -89,17 +110,22 @@ class Tracker:
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         ]
         for i in range(0, len(items), 500):
-            self.client.log_batch(run_id, metrics=items[i : i + 500])
+            self._mlflow.log_batch(run_id, metrics=items[i : i + 500])
 
     def log_stage(self, parent: str | None, store: Store, ref: ArtifactRef, cached: bool) -> None:
         """A run for one stage's artifact, nested in its round's run under ``parent``."""
         if not self.enabled:
             return
-        run_id = self.start(
+        run_id = self._create_run(
             ref.stage,
             self.round_run(parent, ref.round),
-            tags={"artifact_id": ref.id, "inputs": ",".join(ref.inputs), "cached": str(cached).lower(),
-                  "round": str(ref.round), "kind": ref.kind},
+            tags={
+                "artifact_id": ref.id,
+                "inputs": ",".join(ref.inputs),
+                "cached": str(cached).lower(),
+                "round": str(ref.round),
+                "kind": ref.kind,
+            },
         )
         self.log_params(run_id, ref.manifest.get("config", {}))
         self.log_metrics(run_id, ref.summary, step=ref.round)
@@ -109,13 +135,13 @@ class Tracker:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "manifest.json"
             path.write_text(json.dumps(ref.manifest, indent=2, default=str))
-            self.client.log_artifact(run_id, str(path))
+            self._mlflow.log_artifact(run_id, str(path))
         if folder is not None:
             for png in sorted(folder.glob("*.png")):
-                self.client.log_artifact(run_id, str(png))
+                self._mlflow.log_artifact(run_id, str(png))
         self.end(run_id)
 
-    def _log_curve(self, run_id: str | None, path: Path) -> None:
+    def _log_curve(self, run_id: str, path: Path) -> None:
         from mlflow.entities import Metric
 
         items = []
@@ -123,11 +149,22 @@ class Tracker:
         for line in path.read_text().splitlines():
             entry = json.loads(line)
             step = int(entry.get("step", 0))
-            for key in ("loss", "lr", "accuracy", "chosen_reward", "rejected_reward", "clip_fraction", "ratio", "kl"):
+            for key in (
+                "loss",
+                "lr",
+                "accuracy",
+                "chosen_reward",
+                "rejected_reward",
+                "clip_fraction",
+                "ratio",
+                "kl",
+                "chosen_nll",
+                "expert_nll",
+            ):
                 if isinstance(entry.get(key), (int, float)):
                     items.append(Metric(f"train/{key}", float(entry[key]), now, step))
         for i in range(0, len(items), 500):
-            self.client.log_batch(run_id, metrics=items[i : i + 500])
+            self._mlflow.log_batch(run_id, metrics=items[i : i + 500])
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -14,11 +14,19 @@ from flywheel.store import ArtifactRef, ArtifactWriter, Store
 
 
 def load_tasks(
-    store: Store, tasks: ArtifactRef, *, env: str, split: str, limit: int | None = None, window: int = 0
+    store: Store,
+    tasks: ArtifactRef,
+    *,
+    env: str,
+    split: str,
+    limit: int | None = None,
+    window: int = 0,
 ) -> list[Task]:
     """An env's tasks of one split; with ``limit``, the ``window``-th run of ``limit`` tasks
     (window 0 = the first ``limit``), wrapping around the end of the list."""
-    frame = pl.from_arrow(store.read(tasks)).filter((pl.col("env") == env) & (pl.col("split") == split))
+    frame = cast(pl.DataFrame, pl.from_arrow(store.read(tasks))).filter(
+        (pl.col("env") == env) & (pl.col("split") == split)
+    )
     if limit is not None and frame.height > 0:
         start = (window * limit) % frame.height
         frame = pl.concat([frame.slice(start), frame.slice(0, start)]).head(limit)
@@ -45,12 +53,18 @@ def rollout_setup(
     engine = HFEngine(model, tokenizer, batch_size=cfg.engine.batch_size)
     max_steps = {e.name: e.max_steps for e in cfg.envs}
     tasks_by_env = [
-        (make_suite(e), load_tasks(store, tasks, env=e.name, split=split, limit=limit, window=window)) for e in cfg.envs
+        (
+            make_suite(e),
+            load_tasks(store, tasks, env=e.name, split=split, limit=limit, window=window),
+        )
+        for e in cfg.envs
     ]
     return engine, max_steps, tasks_by_env
 
 
-def trajectory_rows(episodes: list[dict[str, Any]], *, round: int, policy: str, source: str) -> list[dict[str, Any]]:
+def trajectory_rows(
+    episodes: list[dict[str, Any]], *, round: int, policy: str, source: str
+) -> list[dict[str, Any]]:
     """Agent-loop episodes -> rows of the trajectories contract."""
     return [{**ep, "round": round, "policy": policy, "source": source} for ep in episodes]
 

@@ -60,7 +60,6 @@ REF_SCHEMA = pa.schema(
 OWN_FIELDS = {"beta", "lr", "reference"}
 
 
-
 def per_round(values: list[float], round: int) -> float:
     """Entry ``round - 1`` of a per-round list; the last entry for every later round."""
     return values[min(max(round, 1), len(values)) - 1]

@@ -6,6 +6,8 @@ writes one eval row per episode and the metrics of ALGORITHMS.md per env in the 
 
 from __future__ import annotations
 
+from typing import cast
+
 import polars as pl
 
 from flywheel.agent import run_episodes
@@ -15,10 +17,30 @@ from flywheel.metrics import flatten, summarize
 from flywheel.store import ArtifactRef, Store
 from stages._common import rollout_setup, run_in_shards
 
-EVAL_KEYS = ("task_id", "env", "success", "reward", "steps", "tool_calls", "tool_errors", "tool_ok", "tokens", "finish_reason", "messages")
+EVAL_KEYS = (
+    "task_id",
+    "env",
+    "success",
+    "reward",
+    "steps",
+    "tool_calls",
+    "tool_errors",
+    "tool_ok",
+    "tokens",
+    "finish_reason",
+    "messages",
+)
 
 
-def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, round: int, force: bool = False) -> ArtifactRef:
+def run(
+    cfg: Config,
+    store: Store,
+    policy: ArtifactRef,
+    tasks: ArtifactRef,
+    *,
+    round: int,
+    force: bool = False,
+) -> ArtifactRef:
     w = store.writer(
         "eval",
         stage="evaluate",
@@ -30,10 +52,14 @@ def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, r
     if w.cached:
         return w.ref
     ev = cfg.evaluate
-    engine, max_steps, tasks_by_env = rollout_setup(cfg, store, policy, tasks, split="test", limit=ev.n_tasks)
+    engine, max_steps, tasks_by_env = rollout_setup(
+        cfg, store, policy, tasks, split="test", limit=ev.n_tasks
+    )
 
     def rollout(suite, chunk, shard):
-        sampling = SamplingParams(temperature=ev.temperature, max_new_tokens=cfg.engine.max_new_tokens, seed=shard)
+        sampling = SamplingParams(
+            temperature=ev.temperature, max_new_tokens=cfg.engine.max_new_tokens, seed=shard
+        )
         episodes = run_episodes(
             engine,
             suite,
@@ -56,9 +82,16 @@ def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, r
             for ep in episodes
         ]
 
-    run_in_shards(w, tasks_by_env, shard_size=ev.shard_size, samples_per_task=1, rollout=rollout, label="evaluate")
-    frame = pl.from_arrow(w.read_shards().drop("messages"))
+    run_in_shards(
+        w,
+        tasks_by_env,
+        shard_size=ev.shard_size,
+        samples_per_task=1,
+        rollout=rollout,
+        label="evaluate",
+    )
+    frame = cast(pl.DataFrame, pl.from_arrow(w.read_shards().drop("messages")))
     summary = flatten(summarize(frame))
     for (env, level), group in frame.group_by(["env", "difficulty"]):
-        summary[f"{env}/success_rate_d{level}"] = float(group["success"].mean())
+        summary[f"{env}/success_rate_d{level}"] = float(cast(float, group["success"].mean()))
     return w.commit(summary=summary, extra={"policy": policy.id, "policy_stage": policy.stage})

@@ -8,6 +8,8 @@ the env really returns; an oracle that fails a task is reported in the summary.
 
 from __future__ import annotations
 
+from typing import cast
+
 import polars as pl
 
 from flywheel.agent import expert_episodes
@@ -19,7 +21,12 @@ from stages._common import load_tasks, trajectory_rows
 
 def run(cfg: Config, store: Store, tasks: ArtifactRef, *, force: bool = False) -> ArtifactRef:
     w = store.writer(
-        "trajectories", stage="expert", round=0, config=cfg.stage_inputs("expert"), inputs=[tasks.id], force=force
+        "trajectories",
+        stage="expert",
+        round=0,
+        config=cfg.stage_inputs("expert"),
+        inputs=[tasks.id],
+        force=force,
     )
     if w.cached:
         return w.ref
@@ -34,8 +41,9 @@ def run(cfg: Config, store: Store, tasks: ArtifactRef, *, force: bool = False) -
         ok = sum(r["success"] for r in rows) / max(len(rows), 1)
         print(f"expert: {env_cfg.name}: {len(rows)} trajectories, oracle success {ok:.1%}")
     # From every shard, so a run resumed after a crash still summarises the envs done before it.
-    done = pl.from_arrow(w.read_shards().select(["env", "success"]))
+    done = cast(pl.DataFrame, pl.from_arrow(w.read_shards().select(["env", "success"])))
     summary = {
-        f"{env}/oracle_success": float(group["success"].mean()) for (env,), group in done.group_by("env")
+        f"{env}/oracle_success": float(cast(float, group["success"].mean()))
+        for (env,), group in done.group_by("env")
     }
     return w.commit(summary=summary)

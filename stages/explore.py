@@ -12,6 +12,8 @@ Written in shards: killed in the middle, a rerun keeps the finished shards and d
 
 from __future__ import annotations
 
+from typing import cast
+
 import polars as pl
 
 from flywheel.agent import run_episodes
@@ -22,7 +24,15 @@ from flywheel.store import ArtifactRef, Store
 from stages._common import rollout_setup, run_in_shards, trajectory_rows
 
 
-def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, round: int, force: bool = False) -> ArtifactRef:
+def run(
+    cfg: Config,
+    store: Store,
+    policy: ArtifactRef,
+    tasks: ArtifactRef,
+    *,
+    round: int,
+    force: bool = False,
+) -> ArtifactRef:
     w = store.writer(
         "trajectories",
         stage="explore",
@@ -58,7 +68,15 @@ def run(cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef, *, r
         return trajectory_rows(episodes, round=round, policy=policy.id, source="explore")
 
     run_in_shards(
-        w, tasks_by_env, shard_size=ex.shard_size, samples_per_task=ex.samples_per_task, rollout=rollout, label="explore"
+        w,
+        tasks_by_env,
+        shard_size=ex.shard_size,
+        samples_per_task=ex.samples_per_task,
+        rollout=rollout,
+        label="explore",
     )
-    frame = pl.from_arrow(w.read_shards().drop(["messages", "turn_token_ids", "turn_logprobs"]))
+    frame = cast(
+        pl.DataFrame,
+        pl.from_arrow(w.read_shards().drop(["messages", "turn_token_ids", "turn_logprobs"])),
+    )
     return w.commit(summary=flatten(summarize(frame)))

@@ -46,7 +46,6 @@ BROKEN_FORMAT = ("invalid", "error")
 OWN_FIELDS = {"efficiency_reward", "s_tool", "s_len", "drop_flat_groups", "expert_ratio"}
 
 
-
 def sharpness(gc: GrpoConfig, round: int, rounds: int) -> tuple[float, float]:
     """(s_tool, s_len) of this round: full in round 1, then linearly less, 0 after run.rounds."""
     return anneal(gc.s_tool, round - 1, rounds), anneal(gc.s_len, round - 1, rounds)
@@ -136,7 +135,9 @@ def expert_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, Any]:
     behaviour log-probs: the expert is not a policy we sampled)."""
     ids, mask = encode_chat(tokenizer, row["messages"])
     if not any(mask):
-        raise ValueError(f"grpo: expert trajectory {row['env']}/{row['task_id']} has no trained turn")
+        raise ValueError(
+            f"grpo: expert trajectory {row['env']}/{row['task_id']} has no trained turn"
+        )
     return {"input_ids": ids, "loss_mask": mask, "old_logprobs": [0.0] * len(ids), "advantage": 0.0,
             "expert": 1.0}  # fmt: skip
 
@@ -178,7 +179,9 @@ def run(
     gc: GrpoConfig = cfg.grpo  # type: ignore[attr-defined]
     mix = gc.expert_weight > 0
     if mix and (explored is None or expert is None):
-        raise ValueError("grpo: expert_weight > 0 needs the round's explore and the expert artifacts")
+        raise ValueError(
+            "grpo: expert_weight > 0 needs the round's explore and the expert artifacts"
+        )
     w = store.writer(
         "checkpoints",
         stage="grpo",
@@ -232,7 +235,11 @@ def run(
         f"grpo: round {round}, {used} groups ({counts['groups_flat']} flat), {len(examples) - n_expert} "
         f"trajectories from {groups.id}"
         + (f", efficiency reward s_tool {s_tool:g} s_len {s_len:g}" if gc.efficiency_reward else "")
-        + (f", MIX: {n_expert} expert trajectories of unsolved tasks, weight {gc.expert_weight:g}" if mix else "")
+        + (
+            f", MIX: {n_expert} expert trajectories of unsolved tasks, weight {gc.expert_weight:g}"
+            if mix
+            else ""
+        )
     )
     result = train(model, examples, loss="grpo", cfg=tc, out_dir=out, ref_model=ref_model, log=log)
     write_train_log(out, result.history)

@@ -21,7 +21,14 @@ from flywheel.store import ArtifactRef, Store
 def run(cfg: Config, store: Store, expert: ArtifactRef, *, force: bool = False) -> ArtifactRef:
     base = cfg.model.base
     inputs = [] if base else [expert.id]
-    w = store.writer("checkpoints", stage="init", round=0, config=cfg.stage_inputs("init"), inputs=inputs, force=force)
+    w = store.writer(
+        "checkpoints",
+        stage="init",
+        round=0,
+        config=cfg.stage_inputs("init"),
+        inputs=inputs,
+        force=force,
+    )
     if w.cached:
         return w.ref
     if base:
@@ -43,10 +50,18 @@ def run(cfg: Config, store: Store, expert: ArtifactRef, *, force: bool = False) 
             seed=cfg.run.seed,
         )
     ref = write_checkpoint(
-        w, model, tokenizer, policy="init", round=0, parent="", base=base or "embedded",
+        w,
+        model,
+        tokenizer,
+        policy="init",
+        round=0,
+        parent="",
+        base=base or "embedded",
         summary={"vocab_size": len(tokenizer)},
     )
-    print(f"init: {ref.summary['num_params']:,} parameters, vocabulary {len(tokenizer):,} ({base or 'embedded'})")
+    print(
+        f"init: {ref.summary['num_params']:,} parameters, vocabulary {len(tokenizer):,} ({base or 'embedded'})"
+    )
     return ref
 
 
@@ -55,7 +70,9 @@ def _load_base(base: str):
 
     folder = Path(base)
     if not (folder / "config.json").exists():
-        raise ValueError(f"model.base {base!r} is not a local Hugging Face model folder (no config.json)")
+        raise ValueError(
+            f"model.base {base!r} is not a local Hugging Face model folder (no config.json)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if tokenizer.chat_template is None:
         raise ValueError(f"model.base {base!r}: the tokenizer has no chat template")

@@ -18,6 +18,7 @@ groups_eligible, groups_selected, trajectories_selected, front_1..front_3, front
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import polars as pl
@@ -70,13 +71,13 @@ def run(
     )
     if w_pairs.cached and w_groups.cached:
         return w_pairs.ref, w_groups.ref
-    traj = pl.from_arrow(store.read(explore))
+    traj = cast(pl.DataFrame, pl.from_arrow(store.read(explore)))
     traj = traj.with_columns(
         reward=pl.col("reward").fill_null(0.0),
         pareto_rank=pl.Series(trajectory_ranks(traj), dtype=pl.Int32),
     )
     if not w_pairs.cached:
-        gold = pl.from_arrow(store.read(expert))
+        gold = cast(pl.DataFrame, pl.from_arrow(store.read(expert)))
         pairs = build_pairs(
             traj,
             gold,
@@ -145,7 +146,11 @@ def _groups_table(traj: pl.DataFrame, groups: pl.DataFrame, round: int) -> pa.Ta
 
 def _pairs_summary(pairs: pl.DataFrame, n_tasks: int) -> dict[str, float]:
     kinds = dict(pairs.group_by("kind").len().iter_rows())
-    gap = (pairs["chosen_reward"] - pairs["rejected_reward"]).mean() if len(pairs) else 0.0
+    gap = (
+        cast(float | None, (pairs["chosen_reward"] - pairs["rejected_reward"]).mean())
+        if len(pairs)
+        else 0.0
+    )
     return {
         "pairs": len(pairs),
         "pairs_per_task": len(pairs) / max(n_tasks, 1),
@@ -165,7 +170,7 @@ def _groups_summary(groups: pl.DataFrame, rows: int) -> dict[str, float]:
         "trajectories_selected": rows,
         **{f"front_{f}": fronts.get(f, 0) for f in (1, 2, 3)},
         "fronts": len(fronts),
-        "selected_mean_reward": float(selected["mean_reward"].mean() or 0.0),
+        "selected_mean_reward": float(cast(float | None, selected["mean_reward"].mean()) or 0.0),
     }
 
 

@@ -9,7 +9,7 @@ assistant turns with ``loss=true`` are trained; sampled turns are trained on the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -24,9 +24,11 @@ def train_config(section: TrainSection, seed: int, **extra: Any) -> TrainConfig:
     return TrainConfig(**section.model_dump(), seed=seed, **extra)
 
 
-def examples_from(store: Store, data: list[ArtifactRef], tokenizer: Any) -> list[dict[str, list[int]]]:
+def examples_from(
+    store: Store, data: list[ArtifactRef], tokenizer: Any
+) -> list[dict[str, list[int]]]:
     """Expert and revision rows are all trained; explored rows only when they succeeded."""
-    frames = [pl.from_arrow(store.read(ref)) for ref in data]
+    frames = [cast(pl.DataFrame, pl.from_arrow(store.read(ref))) for ref in data]
     frame = pl.concat(frames) if frames else pl.DataFrame()
     keep = frame.filter((pl.col("source") != "explore") | pl.col("success"))
     examples = []
@@ -63,15 +65,27 @@ def run(
         if round == 0:
             raise ValueError(f"sft round 0: no trajectories to train on in {[d.id for d in data]}")
         # A round whose exploration found no success has nothing to imitate: pass the policy on.
-        return unchanged_checkpoint(w, store, policy, stage="sft", round=round, reason="no successful trajectories")
+        return unchanged_checkpoint(
+            w, store, policy, stage="sft", round=round, reason="no successful trajectories"
+        )
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
-    result = train(model, examples, loss="sft", cfg=train_config(cfg.sft, cfg.run.seed), out_dir=out, log=log)
+    result = train(
+        model, examples, loss="sft", cfg=train_config(cfg.sft, cfg.run.seed), out_dir=out, log=log
+    )
     write_train_log(out, result.history)
     return write_checkpoint(
-        w, model, tokenizer, policy="sft", round=round, parent=policy.id,
-        base=policy.summary.get("base", ""), train_steps=result.steps,
-        final_loss=result.final_loss, summary={"examples": len(examples), "train_time_s": result.train_time_s},
-        save_model=False, num_params=num_params,
+        w,
+        model,
+        tokenizer,
+        policy="sft",
+        round=round,
+        parent=policy.id,
+        base=policy.summary.get("base", ""),
+        train_steps=result.steps,
+        final_loss=result.final_loss,
+        summary={"examples": len(examples), "train_time_s": result.train_time_s},
+        save_model=False,
+        num_params=num_params,
     )

@@ -1,11 +1,14 @@
 """Stage ``tasks``: generate the train and test tasks of every configured env (round 0).
 
+Run it alone with:
+
     flywheel stage tasks --round 0
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from flywheel.config import Config
 from flywheel.envs import make_suite, task_to_row
@@ -13,10 +16,12 @@ from flywheel.store import ArtifactRef, Store
 
 
 def run(cfg: Config, store: Store, *, force: bool = False) -> ArtifactRef:
-    w = store.writer("tasks", stage="tasks", round=0, config=cfg.stage_inputs("tasks"), inputs=[], force=force)
+    w = store.writer(
+        "tasks", stage="tasks", round=0, config=cfg.stage_inputs("tasks"), inputs=[], force=force
+    )
     if w.cached:
         return w.ref
-    rows = []
+    rows: list[dict[str, Any]] = []
     for env_cfg in cfg.envs:
         suite = make_suite(env_cfg)
         for split, n in (("train", env_cfg.n_train), ("test", env_cfg.n_test)):

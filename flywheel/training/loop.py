@@ -67,7 +67,9 @@ class TrainConfig:
     nll_weight: float = 0.0  # DPO: + this * token-mean NLL of the chosen side (keeps it likely)
     clip: float = 0.2  # GRPO ratio clip
     kl_coef: float = 0.0  # GRPO weight of 0.5*(logp - logp_ref)^2
-    expert_weight: float = 0.0  # GRPO (MIX): weight of the expert rows' NLL; 1 - this on the GRPO term
+    expert_weight: float = (
+        0.0  # GRPO (MIX): weight of the expert rows' NLL; 1 - this on the GRPO term
+    )
     weight_decay: float = 0.0  # AdamW weight decay, on matrices only
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     bf16: bool = True  # bf16 weights and compute on an accelerator; always off on CPU
@@ -375,7 +377,9 @@ def _check_reference(
     if needs_ref and precomputed not in examples[0] and ref_model is None:
         raise ValueError(f"{kind} needs {precomputed} on the examples or a ref_model")
     if kind == "grpo" and cfg.expert_weight <= 0 and any(ex.get("expert") for ex in examples):
-        raise ValueError("grpo examples include expert rows but expert_weight is 0: they would not be trained")
+        raise ValueError(
+            "grpo examples include expert rows but expert_weight is 0: they would not be trained"
+        )
     if ref_model is not None and ref_model is model:
         raise ValueError("ref_model must be a frozen copy of the policy, not the policy itself")
 

@@ -19,7 +19,9 @@ def test_defaults_without_file():
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
-    cfg = load_config(ROOT / "configs" / "default.yaml", ["sft.lr=1e-3", "run.rounds=1", "envs.arith.n_test=50"])
+    cfg = load_config(
+        ROOT / "configs" / "default.yaml", ["sft.lr=1e-3", "run.rounds=1", "envs.arith.n_test=50"]
+    )
     assert cfg.sft.lr == 1e-3 and isinstance(cfg.sft.lr, float)
     assert cfg.run.rounds == 1
     assert cfg.envs[0].n_test == 50

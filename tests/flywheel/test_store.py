@@ -29,7 +29,9 @@ def task_rows(n, split="train"):
 
 
 def write_tasks(store, n=5, config=None, force=False, inputs=()):
-    w = store.writer("tasks", stage="tasks", round=0, config=config or {"n": n}, inputs=list(inputs), force=force)
+    w = store.writer(
+        "tasks", stage="tasks", round=0, config=config or {"n": n}, inputs=list(inputs), force=force
+    )
     if w.cached:
         return w.ref, True
     w.write_shard(0, task_rows(n))
@@ -46,7 +48,9 @@ def test_write_then_read_roundtrip(tmp_path):
     assert ref.manifest["rows"] == 5 and ref.manifest["kind"] == "tasks"
     assert (tmp_path / "r" / "round-0" / "tasks" / ref.id / "manifest.json").exists()
     # no temporary folder is left behind
-    assert not [p for p in (tmp_path / "r" / "round-0" / "tasks").iterdir() if p.name.startswith(".tmp")]
+    assert not [
+        p for p in (tmp_path / "r" / "round-0" / "tasks").iterdir() if p.name.startswith(".tmp")
+    ]
 
 
 def test_same_config_is_cache_hit_and_force_makes_new_version(tmp_path):
@@ -89,7 +93,9 @@ def test_schema_mismatch_on_read_names_file_and_column(tmp_path):
     table = pq.read_table(shard)
     table = table.set_column(table.schema.get_field_index("seed"), "seed", pa.array(["x"] * 5))
     pq.write_table(table, shard)
-    with pytest.raises(SchemaError, match=r"part-00000.parquet: column 'seed' has type string, expected int64"):
+    with pytest.raises(
+        SchemaError, match=r"part-00000.parquet: column 'seed' has type string, expected int64"
+    ):
         store.read(ref)
 
 
@@ -168,9 +174,11 @@ def test_sigkill_during_write_never_exposes_partial_artifact(tmp_path):
     assert killed.returncode == -9
     store = Store(str(tmp_path))
     assert store.list() == []
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
     assert done.stdout.strip() == "20"
     ref = store.list()[0]
-    assert json.loads((tmp_path / "default" / "round-0" / "tasks" / ref.id / "manifest.json").read_text())["shards"] == [
-        f"part-0000{i}.parquet" for i in range(5)
-    ]
+    assert json.loads(
+        (tmp_path / "default" / "round-0" / "tasks" / ref.id / "manifest.json").read_text()
+    )["shards"] == [f"part-0000{i}.parquet" for i in range(5)]

@@ -229,7 +229,12 @@ def test_missing_artifact_is_a_clear_error(chain):
 
 def test_expert_resumed_after_a_crash_summarises_every_env(tmp_path, monkeypatch):
     cfg = load_config(None, tiny_overrides(tmp_path))
-    cfg.envs = [cfg.envs[0], cfg.envs[0].model_copy(update={"name": "arith2", "suite": "flywheel.envs.arith:ArithSuite"})]
+    cfg.envs = [
+        cfg.envs[0],
+        cfg.envs[0].model_copy(
+            update={"name": "arith2", "suite": "flywheel.envs.arith:ArithSuite"}
+        ),
+    ]
     store = Store(cfg.run.store_root(), cfg.run.name)
     tasks = stages.tasks.run(cfg, store)
     real = stages.expert.expert_episodes
@@ -256,7 +261,12 @@ def test_explore_rounds_take_successive_windows_of_the_train_tasks(chain):
     every = [t.task_id for t in load_tasks(store, refs["tasks"], env="arith", split="train")]
     assert len(every) == N_TRAIN
     windows = [
-        [t.task_id for t in load_tasks(store, refs["tasks"], env="arith", split="train", limit=10, window=w)]
+        [
+            t.task_id
+            for t in load_tasks(
+                store, refs["tasks"], env="arith", split="train", limit=10, window=w
+            )
+        ]
         for w in range(3)
     ]
     assert windows[0] == every[:10] and windows[1] == every[10:20]

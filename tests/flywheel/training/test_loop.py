@@ -200,9 +200,13 @@ def test_dpo_nll_weight_adds_the_chosen_token_mean_nll() -> None:
     ]
     batch = data.collate(examples, "dpo")
     plain, _ = loop._batch_loss(model, batch, "dpo", TrainConfig(beta=0.5), None)
-    mixed, stats = loop._batch_loss(model, batch, "dpo", TrainConfig(beta=0.5, nll_weight=2.0), None)
+    mixed, stats = loop._batch_loss(
+        model, batch, "dpo", TrainConfig(beta=0.5, nll_weight=2.0), None
+    )
     with torch.no_grad():
-        logits = model(input_ids=batch["chosen_ids"], attention_mask=batch["chosen_attention_mask"]).logits
+        logits = model(
+            input_ids=batch["chosen_ids"], attention_mask=batch["chosen_attention_mask"]
+        ).logits
         nll = masked_ce(logits, batch["chosen_ids"], batch["chosen_mask"])
     # Policy == reference: the DPO part is log 2; the weighted NLL comes on top.
     assert plain.item() == pytest.approx(0.693147, abs=1e-4)
@@ -266,7 +270,9 @@ def test_mix_batch_trains_expert_rows_by_nll_only(tmp_path: Path) -> None:
     batch = data.collate(policy_rows + expert_rows, "grpo")
     with torch.no_grad():
         value, stats = loop._batch_loss(model, batch, "grpo", cfg, None)
-        only_policy, _ = loop._batch_loss(model, data.collate(policy_rows, "grpo"), "grpo", cfg, None)
+        only_policy, _ = loop._batch_loss(
+            model, data.collate(policy_rows, "grpo"), "grpo", cfg, None
+        )
         experts = data.collate(expert_rows, "grpo")
         logits = model(input_ids=experts["input_ids"]).logits
         nll = masked_ce(logits, experts["input_ids"], experts["loss_mask"])
@@ -274,7 +280,9 @@ def test_mix_batch_trains_expert_rows_by_nll_only(tmp_path: Path) -> None:
     assert value.item() == pytest.approx(only_policy.item() + 0.3 * nll.item(), rel=1e-4)
     assert stats["expert_nll"].item() == pytest.approx(nll.item(), rel=1e-4)
     with pytest.raises(ValueError, match="expert rows but expert_weight is 0"):
-        train(model, policy_rows + expert_rows, loss="grpo", cfg=TrainConfig(**CFG), out_dir=tmp_path)
+        train(
+            model, policy_rows + expert_rows, loss="grpo", cfg=TrainConfig(**CFG), out_dir=tmp_path
+        )
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -219,8 +219,10 @@ def run(
     ]
     n_expert = 0
     if mix:
+        # Only whether each explored task was solved matters, not its (large) token columns.
+        solved = store.read(explored, columns=["env", "task_id", "success"])  # type: ignore[arg-type]
         gold = unsolved_expert(
-            pl.from_arrow(store.read(explored)), pl.from_arrow(store.read(expert)),  # type: ignore[arg-type]
+            pl.from_arrow(solved), pl.from_arrow(store.read(expert)),  # type: ignore[arg-type]
             len(examples), gc, cfg.run.seed,
         )  # fmt: skip
         examples = [ex | {"expert": 0.0} for ex in examples]

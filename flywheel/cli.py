@@ -28,9 +28,8 @@ def _environment() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("PREFECT_HOME", str(work / "prefect"))
-    Path(os.environ["PREFECT_HOME"]).mkdir(
-        parents=True, exist_ok=True
-    )  # its SQLite file lives here
+    # Prefect's SQLite file lives here.
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The first start of the in-process server migrates its SQLite database: slow on 2 busy cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")

@@ -67,9 +67,7 @@ class TrainConfig:
     nll_weight: float = 0.0  # DPO: + this * token-mean NLL of the chosen side (keeps it likely)
     clip: float = 0.2  # GRPO ratio clip
     kl_coef: float = 0.0  # GRPO weight of 0.5*(logp - logp_ref)^2
-    expert_weight: float = (
-        0.0  # GRPO (MIX): weight of the expert rows' NLL; 1 - this on the GRPO term
-    )
+    expert_weight: float = 0.0  # GRPO MIX: weight of the expert rows' NLL (1 - w on GRPO)
     weight_decay: float = 0.0  # AdamW weight decay, on matrices only
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     bf16: bool = True  # bf16 weights and compute on an accelerator; always off on CPU

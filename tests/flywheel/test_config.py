@@ -51,6 +51,11 @@ def test_bad_values_and_files(tmp_path):
         load_config(None, ["envs.nope.n_test=3"])
     with pytest.raises(ConfigError, match="explore.n_tasks"):
         load_config(None, ["explore.n_tasks=0"])
+    # MIX: weight 1 would drop the GRPO term entirely; a ratio of 1 asks for infinitely many.
+    with pytest.raises(ConfigError, match="grpo.expert_weight"):
+        load_config(None, ["grpo.expert_weight=1"])
+    with pytest.raises(ConfigError, match="grpo.expert_ratio"):
+        load_config(None, ["grpo.expert_ratio=0"])
 
 
 def test_every_field_has_help():

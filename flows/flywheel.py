@@ -29,7 +29,9 @@ import stages.explore
 import stages.grpo
 import stages.init
 import stages.pareto
+import stages.rft
 import stages.sft
+import stages.sft_more
 import stages.tasks
 from flywheel.config import Config, load_config
 from flywheel.report import STATE_FILE, collect, format_table
@@ -51,9 +53,12 @@ STAGES = {
     "dpo": stages.dpo,
     "grpo": stages.grpo,
     "evaluate": stages.evaluate,
+    "sft_more": stages.sft_more,
+    "rft": stages.rft,
 }
 BOOTSTRAP_ONLY = ("tasks", "expert", "init")
-ROUNDS_ONLY = ("explore", "pareto", "dpo", "grpo")
+ROUNDS_ONLY = ("explore", "pareto", "dpo", "grpo", "sft_more", "rft")
+BASELINES = ("sft_more", "rft")
 
 # A stage's input is an artifact or a list of them (sft's trajectory artifacts); it returns its
 # artifact, or a tuple of them (pareto writes pairs and groups).
@@ -116,7 +121,7 @@ def _run(
 def _step(
     plan: Plan, name: str, round: int, *inputs: StageInput, last: bool = True, **kwargs
 ) -> ArtifactRef:
-    """``_run`` for a stage that writes one artifact (every stage but pareto)."""
+    """``_run`` for a stage that writes one artifact (every stage but tasks and pareto)."""
     result = _run(plan, name, round, *inputs, last=last, **kwargs)
     assert isinstance(result, ArtifactRef), f"stage {name} wrote {len(result)} artifacts"
     return result
@@ -132,25 +137,37 @@ def _headline(ref: ArtifactRef) -> str:
 
 
 def bootstrap(plan: Plan) -> dict[str, ArtifactRef]:
-    """Round 0: tasks -> expert -> init -> sft, with the untrained and SFT policies evaluated."""
-    tasks = _step(plan, "tasks", 0)
-    expert = _step(plan, "expert", 0, tasks)
-    init = _step(plan, "init", 0, expert)
-    _step(plan, "evaluate", 0, init, tasks, last=False)
-    sft = _step(plan, "sft", 0, init, [expert])
-    _step(plan, "evaluate", 0, sft, tasks)
-    return {"tasks": tasks, "expert": expert, "policy": sft}
+    """Round 0: tasks -> expert -> init -> sft (validated on the val split), then the SFT
+    policy evaluated on the test split (and the untrained one first, with evaluate.untrained)."""
+    split = _run(plan, "tasks", 0)
+    assert isinstance(split, tuple)  # tasks writes one artifact per split
+    train, val, test = split
+    expert = _step(plan, "expert", 0, train, val)
+    init = _step(plan, "init", 0, expert, train)
+    if plan.cfg.evaluate.untrained:
+        _step(plan, "evaluate", 0, init, test, last=False)
+    sft = _step(plan, "sft", 0, init, [expert], val_tasks=val, val_demos=expert)
+    _step(plan, "evaluate", 0, sft, test)
+    return {"train": train, "val": val, "test": test, "expert": expert, "policy": sft}
+
+
+@dataclass
+class RoundResult:
+    policy: ArtifactRef  # pi_{r+1}
+    explored: ArtifactRef
+    trained: list[ArtifactRef]  # the checkpoint of every training step, in order
 
 
 def one_round(
     plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, ArtifactRef]
-) -> ArtifactRef:
+) -> RoundResult:
     """Round r >= 1: explore with pi_r, mine pairs and groups, run the configured training
     steps (each from the previous step's checkpoint), evaluate pi_{r+1}."""
-    explored = _step(plan, "explore", round, policy, boot["tasks"])
+    explored = _step(plan, "explore", round, policy, boot["train"])
     mined = _run(plan, "pareto", round, explored, boot["expert"])
     assert isinstance(mined, tuple)  # pareto writes two artifacts
     pairs, groups = mined
+    trained = []
     for name in plan.cfg.iteration.steps:
         # grpo reads the explore and expert artifacts only with MIX on (grpo.expert_weight > 0).
         data: dict[str, tuple[StageInput, ...]] = {
@@ -158,17 +175,48 @@ def one_round(
             "dpo": (pairs,),
             "grpo": (groups, explored, boot["expert"]),
         }
-        policy = _step(plan, name, round, policy, *data[name])
-    _step(plan, "evaluate", round, policy, boot["tasks"])
-    return policy
+        policy = _step(
+            plan, name, round, policy, *data[name], val_tasks=boot["val"], val_demos=boot["expert"]
+        )
+        trained.append(policy)
+    _step(plan, "evaluate", round, policy, boot["test"])
+    return RoundResult(policy, explored, trained)
 
 
-def _walk(plan: Plan, rounds: int) -> StageResult | None:
+def baselines(
+    plan: Plan, round: int, boot: dict[str, ArtifactRef], rounds: list[RoundResult]
+) -> None:
+    """After the last round: each configured baseline trained from the SFT policy and
+    evaluated on the same test tasks (sft_more with the rounds' compute, rft on their explore
+    data)."""
+    for name in plan.cfg.baselines:
+        data: tuple[StageInput, ...] = (
+            (boot["expert"], [ref for r in rounds for ref in r.trained])
+            if name == "sft_more"
+            else ([r.explored for r in rounds], boot["expert"])
+        )
+        ref = _step(
+            plan,
+            name,
+            round,
+            boot["policy"],
+            *data,
+            val_tasks=boot["val"],
+            val_demos=boot["expert"],
+        )
+        _step(plan, "evaluate", round, ref, boot["test"])
+
+
+def _walk(plan: Plan, rounds: int, with_baselines: bool = True) -> StageResult | None:
     try:
         boot = bootstrap(plan)
         policy = boot["policy"]
+        done = []
         for r in range(1, rounds + 1):
-            policy = one_round(plan, r, policy, boot)
+            done.append(one_round(plan, r, policy, boot))
+            policy = done[-1].policy
+        if with_baselines and done:
+            baselines(plan, rounds, boot, done)
         return policy
     except StopAfter as stop:
         return stop.ref
@@ -181,14 +229,14 @@ def _plan(config: str | None, overrides: list[str], **kw) -> Plan:
     return Plan(cfg=cfg, store=store, tracker=tracker, **kw)
 
 
-def _tracked(plan: Plan, name: str, rounds: int) -> StageResult | None:
+def _tracked(plan: Plan, name: str, rounds: int, with_baselines: bool = True) -> StageResult | None:
     plan.parent_run = plan.tracker.start(
         name, tags={"run": plan.cfg.run.name, "store": plan.cfg.run.store_root()}
     )
     plan.tracker.log_params(plan.parent_run, plan.cfg.model_dump())
     status = "FAILED"
     try:
-        result = _walk(plan, rounds)
+        result = _walk(plan, rounds, with_baselines)
         status = "FINISHED"
         return result
     finally:
@@ -220,7 +268,7 @@ def iteration_flow(
 ) -> str | None:
     """One round: everything before it is a cache hit (or is computed if missing)."""
     plan = _plan(config, list(overrides or []))
-    ref = _tracked(plan, f"{plan.cfg.run.name}-round-{round}", round)
+    ref = _tracked(plan, f"{plan.cfg.run.name}-round-{round}", round, with_baselines=False)
     assert not isinstance(ref, tuple)  # without stop_at the walk returns the last policy
     return ref.id if ref else None
 
@@ -231,6 +279,18 @@ def check_stage(name: str, round: int) -> None:
         raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     if round < 0 or round == 0 and name in ROUNDS_ONLY or round > 0 and name in BOOTSTRAP_ONLY:
         raise ValueError(f"stage {name} does not run in round {round}")
+
+
+def check_plan(cfg: Config, name: str, round: int) -> None:
+    """Raise a one-line ValueError, before any work, when the config never runs ``name`` in
+    ``round`` (a training step not in iteration.steps, a baseline not in baselines)."""
+    check_stage(name, round)
+    if name in ("sft", "dpo", "grpo") and round > 0 and name not in cfg.iteration.steps:
+        raise ValueError(
+            f"stage {name} does not run in round {round} with iteration.steps={cfg.iteration.steps}"
+        )
+    if name in BASELINES and name not in cfg.baselines:
+        raise ValueError(f"stage {name} does not run with baselines={cfg.baselines}")
 
 
 @flow(name="stage", validate_parameters=False)
@@ -244,10 +304,13 @@ def stage_flow(
     """One stage of one round (``force`` writes a new version even when nothing changed)."""
     check_stage(name, round)
     plan = _plan(config, list(overrides or []), stop_at=(name, round))
+    check_plan(plan.cfg, name, round)
     if force:
         plan.force.add((name, round))
     rounds = max(round, 0)
-    result = _tracked(plan, f"{plan.cfg.run.name}-{name}-round-{round}", rounds)
+    result = _tracked(
+        plan, f"{plan.cfg.run.name}-{name}-round-{round}", rounds, with_baselines=name in BASELINES
+    )
     refs: tuple[ArtifactRef, ...] = (
         () if result is None else result if isinstance(result, tuple) else (result,)
     )

@@ -66,6 +66,25 @@ def write_checkpoint(
     return writer.commit(summary={**info, **(summary or {})}, extra={"policy": policy})
 
 
+def train_summary(result: Any) -> dict[str, Any]:
+    """A training run's numbers for the checkpoint's summary: wall time, tokens trained (what
+    the compute-matched baseline sums), and with validation the step kept and why it stopped."""
+    out: dict[str, Any] = {
+        "train_time_s": result.train_time_s,
+        "train_tokens": result.tokens,
+        "stop_reason": result.stop_reason,
+    }
+    if result.best_step is not None:
+        out |= {"best_step": result.best_step, "val_score": result.best_score}
+        found = [
+            h for h in result.history if h.get("step") == result.best_step and "val_score" in h
+        ]
+        for key, value in (found[0] if found else {}).items():
+            if key.startswith("val_") and key != "val_score":
+                out[key] = value
+    return out
+
+
 def checkpoint_dir(store: Store, ref: ArtifactRef) -> Path:
     if ref.kind != "checkpoints":
         raise ArtifactError(f"artifact {ref.id} is a {ref.kind} artifact, not a checkpoint")

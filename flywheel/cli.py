@@ -155,11 +155,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         # A bad config is a one-line error here; inside the flow Prefect would first log a
         # traceback (and start its server) before the error reached us.
-        load_config(_config_path(args.config), args.overrides)
+        cfg = load_config(_config_path(args.config), args.overrides)
         if args.command == "stage":
-            from flows.flywheel import check_stage
+            from flows.flywheel import check_plan
 
-            check_stage(args.name, args.round)
+            check_plan(cfg, args.name, args.round)
     if args.command == "run":
         from flows.flywheel import flywheel_flow
 

@@ -1,9 +1,12 @@
 """Typed configuration: YAML files plus ``key.sub=value`` overrides, validated by pydantic.
 
 Every section is a model that refuses unknown keys, and every field carries help text
-(``flywheel config --help-fields`` prints them). A stage reads only its own section, and the
-artifact id of a stage hashes exactly the sections it reads (see ``Config.stage_inputs``), so
-changing DPO's beta reruns dpo and what follows, nothing before it.
+(``flywheel config --fields`` prints them). A stage reads only its own section, and the
+artifact id of a stage hashes exactly what its ``artifact_config(cfg, round)`` (next to its
+``run``) returns, so changing DPO's beta reruns dpo and what follows, nothing before it.
+
+``TrainSection`` is the one training config: the sft, dpo, grpo, sft_more and rft sections are
+its subclasses and the training loop takes it as it is.
 
     cfg = load_config("configs/default.yaml", ["sft.lr=1e-3", "run.rounds=1"])
 """
@@ -47,7 +50,9 @@ class RunConfig(Section):
         description="Flywheel rounds after the bootstrap (round 0 = tasks, expert, sft).",
     )
     log_every: int = Field(
-        default=20, ge=1, description="Print a progress line every this many training steps."
+        default=0,
+        ge=0,
+        description="Print a progress line every this many training steps (0: about 20 lines per run).",
     )
 
     def store_root(self) -> str:
@@ -87,6 +92,11 @@ class EnvConfig(Section):
         default_factory=dict, description="Keyword arguments passed to the suite's constructor."
     )
     n_train: int = Field(default=2000, ge=1, description="Training tasks generated for this env.")
+    n_val: int = Field(
+        default=256,
+        ge=0,
+        description="Validation tasks (their own split, disjoint from train and test): they stop training and select checkpoints; the test split is never read for that.",
+    )
     n_test: int = Field(
         default=200, ge=1, description="Held-out test tasks generated for this env."
     )
@@ -109,6 +119,8 @@ class EngineConfig(Section):
 
 
 class TrainSection(Section):
+    """The knobs of one training run, shared by every training stage and read by the loop."""
+
     epochs: int = Field(default=3, ge=1, description="Passes over the training examples.")
     lr: float = Field(default=2e-5, gt=0, description="Peak learning rate.")
     warmup_ratio: float = Field(
@@ -138,12 +150,59 @@ class TrainSection(Section):
         description="Save resumable training state (optimizer, data position) every N steps; 0 = none.",
     )
     max_steps: int | None = Field(
-        default=None, description="Stop after this many optimizer steps (null: run all epochs)."
+        default=None,
+        ge=1,
+        description="Stop after this many optimizer steps (null: run all epochs).",
+    )
+    bf16: bool = Field(
+        default=True, description="bf16 weights and compute on an accelerator (always off on CPU)."
+    )
+    deepspeed_config: str | None = Field(
+        default=None,
+        description='A DeepSpeed JSON template; its "auto" values are filled from this section.',
+    )
+    val_every: int = Field(
+        default=0,
+        ge=0,
+        description="Validate every N optimizer steps (and before the first): keep the best checkpoint and stop after `patience` validations without improvement; 0 = no validation, keep the last.",
+    )
+    val_metric: Literal["loss", "success"] = Field(
+        default="success",
+        description="Validation signal: loss = masked CE of the policy on the val split's expert trajectories; success = greedy success on the val tasks.",
+    )
+    patience: int = Field(
+        default=3,
+        ge=1,
+        description="Validations without improvement before training stops early.",
+    )
+    min_delta: float = Field(
+        default=0.0,
+        ge=0,
+        description="A validation improves only when it beats the best by more than this.",
     )
 
 
 class SftConfig(TrainSection):
-    pass
+    """Round 0: the bootstrap policy on the expert trajectories; later rounds: good paths."""
+
+
+class SftMoreConfig(TrainSection):
+    match: Literal["tokens", "steps"] = Field(
+        default="tokens",
+        description="Compute matching: train as many tokens (or optimizer steps) as the rounds' training steps used, summed from their manifests.",
+    )
+
+
+class RftConfig(TrainSection):
+    with_expert: bool = Field(
+        default=True,
+        description="Train on the expert trajectories too (ETO's RFT: demonstrations augmented with the policy's successes); false = successes only.",
+    )
+    per_task: int = Field(
+        default=1,
+        ge=1,
+        description="Successful samples kept per task: the best by Pareto rank (reward up, tool calls down, tokens down), identical texts once.",
+    )
 
 
 class TasksConfig(Section):
@@ -151,7 +210,11 @@ class TasksConfig(Section):
 
 
 class ExpertConfig(Section):
-    pass
+    n_tasks: int | None = Field(
+        default=None,
+        ge=0,
+        description="Demonstrations for the first N train tasks of each env only (null: all); the rest are reward-only tasks that exploration learns from.",
+    )
 
 
 class ExploreConfig(Section):
@@ -175,9 +238,18 @@ class EvaluateConfig(Section):
         default=0.0, ge=0, description="0 = greedy decoding (the default for evaluation)."
     )
     n_tasks: int | None = Field(
-        default=None, description="Evaluate on the first N test tasks per env (null: all)."
+        default=None, ge=1, description="Evaluate on the first N test tasks per env (null: all)."
     )
     shard_size: int = Field(default=256, ge=1, description="Episodes per Parquet shard.")
+    untrained: bool = Field(
+        default=False,
+        description="Also evaluate the untrained starting policy in round 0 (0% for the embedded policy, and the slowest evaluation: every episode runs to max_steps).",
+    )
+    val_tasks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Validation by success (val_metric: success) runs the first N val tasks per env (null: all of n_val).",
+    )
 
 
 class ParetoConfig(Section):
@@ -301,6 +373,7 @@ class GrpoConfig(TrainSection):
 
 
 TrainStep = Literal["sft", "dpo", "grpo"]
+Baseline = Literal["sft_more", "rft"]
 
 
 def _default_steps() -> list[TrainStep]:
@@ -361,6 +434,18 @@ class Config(Section):
     iteration: IterationConfig = Field(
         default_factory=IterationConfig, description="What a round after the bootstrap trains with."
     )
+    baselines: list[Baseline] = Field(
+        default_factory=list,
+        description="Baselines trained after the last round and evaluated on the same test tasks: sft_more (the SFT policy trained further on the expert data, compute-matched to the rounds), rft (SFT on the policy's own successful explored trajectories).",
+    )
+    sft_more: SftMoreConfig = Field(
+        default_factory=SftMoreConfig,
+        description="Baseline: SFT continued on the expert data with the rounds' compute.",
+    )
+    rft: RftConfig = Field(
+        default_factory=RftConfig,
+        description="Baseline: rejection-sampling fine-tuning on the rounds' successful explored trajectories.",
+    )
     evaluate: EvaluateConfig = Field(
         default_factory=EvaluateConfig, description="Held-out evaluation."
     )
@@ -371,29 +456,18 @@ class Config(Section):
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):
             raise ValueError(f"env names must be unique, got {names}")
+        if len(set(self.baselines)) != len(self.baselines):
+            raise ValueError(f"baselines must be unique, got {self.baselines}")
         return self
 
-    def stage_inputs(self, stage: str) -> dict[str, Any]:
-        """The resolved config a stage's artifact id depends on (and nothing else)."""
-        envs = [e.model_dump() for e in self.envs]
-        seed = self.run.seed
-        engine = self.engine.model_dump(exclude={"env_workers"})
-        by_stage: dict[str, dict[str, Any]] = {
-            "tasks": {"envs": envs, "seed": seed},
-            "expert": {"envs": envs},
-            "init": {"model": self.model.model_dump(), "seed": seed},
-            "sft": {"sft": self.sft.model_dump(), "seed": seed},
-            "explore": {
-                "explore": self.explore.model_dump(),
-                "engine": engine,
-                "envs": envs,
-                "seed": seed,
-            },
-            "evaluate": {"evaluate": self.evaluate.model_dump(), "engine": engine, "envs": envs},
-        }
-        if stage not in by_stage:
-            raise KeyError(f"unknown stage {stage!r}")
-        return by_stage[stage]
+    def envs_dump(self) -> list[dict[str, Any]]:
+        """Every env's settings but the task counts (those shape the tasks artifacts, whose ids
+        the later stages hash as inputs), as the stages that generate or roll out tasks hash them."""
+        return [e.model_dump(exclude={"n_train", "n_val", "n_test"}) for e in self.envs]
+
+    def engine_dump(self) -> dict[str, Any]:
+        """The engine settings that change what is generated (not the env thread count)."""
+        return self.engine.model_dump(exclude={"env_workers"})
 
     def tracking_uri(self) -> str:
         if self.tracking.uri:

@@ -1,25 +1,33 @@
-"""Held-out metrics of every evaluated policy, side by side.
+"""Held-out metrics of every evaluated policy, side by side, with sampling error.
 
 ``collect`` reads the evaluations of the last ``flywheel run`` (recorded in ``flywheel.json``
 under the run's folder) or, when there is none, every eval artifact in the store.
 
-    flywheel report          # a table
-    flywheel report --json   # one object per policy and env
+Every success rate carries its binomial standard error ``sqrt(p (1 - p) / n)`` over the n test
+tasks. A round's gain over a reference policy (the round-0 SFT policy, and the better of the
+baselines) is called significant when it exceeds two standard errors of the difference,
+``2 * sqrt(se_a^2 + se_b^2)`` (the two rates treated as independent: conservative, since both
+policies ran the same tasks).
+
+    flywheel report          # a table, then the gains
+    flywheel report --json   # one object per policy and env (policy = init, sft, dpo, ..., sft_more, rft)
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from flywheel.store import ArtifactError, Store
 
 STATE_FILE = "flywheel.json"
+BASELINES = ("sft_more", "rft")
 COLUMNS = (
     "round",
     "policy",
     "env",
-    "success_rate",
+    "success",
     "avg_reward",
     "n_tasks",
     "avg_steps",
@@ -28,6 +36,11 @@ COLUMNS = (
     "reasoning_tokens",
     "efficiency",
 )
+
+
+def standard_error(p: float, n: int) -> float:
+    """Binomial standard error of a success rate p measured on n tasks."""
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n) if n > 0 else float("nan")
 
 
 def collect(store: Store) -> list[dict[str, Any]]:
@@ -56,22 +69,67 @@ def collect(store: Store) -> list[dict[str, Any]]:
                 **metrics,
             }
             row["n_tasks"] = int(row.get("n_tasks", 0))
+            if "success_rate" in row:
+                row["success_se"] = standard_error(row["success_rate"], row["n_tasks"])
             rows.append(row)
+    add_gains(rows)
     return rows
+
+
+def _gain(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    diff = row["success_rate"] - ref["success_rate"]
+    se = math.sqrt(row["success_se"] ** 2 + ref["success_se"] ** 2)
+    return {"gain": diff, "se": se, "significant": bool(diff > 2 * se), "over": ref["policy"]}
+
+
+def add_gains(rows: list[dict[str, Any]]) -> None:
+    """Give every round's row (round >= 1, not a baseline) its gain over the round-0 SFT policy
+    and over the best baseline of the same env, in place."""
+    for env in {r["env"] for r in rows}:
+        mine = [r for r in rows if r["env"] == env and "success_rate" in r]
+        sft = [r for r in mine if r["round"] == 0 and r["policy"] == "sft"]
+        base = [r for r in mine if r["policy"] in BASELINES]
+        best = max(base, key=lambda r: r["success_rate"]) if base else None
+        for row in mine:
+            if row["round"] < 1 or row["policy"] in BASELINES:
+                continue
+            if sft:
+                row["gain_over_sft"] = _gain(row, sft[-1])
+            if best is not None:
+                row["gain_over_baselines"] = _gain(row, best)
+
+
+def _cell(row: dict[str, Any], col: str) -> str:
+    if col == "success":
+        if "success_rate" not in row:
+            return ""
+        return f"{100 * row['success_rate']:.1f}% ± {100 * row['success_se']:.1f}"
+    value = row.get(col, "")
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no evaluated policies yet (run `flywheel run`)"
-    header = [c for c in COLUMNS]
-    lines = [header]
-    for row in rows:
-        cells = []
-        for col in header:
-            value = row.get(col, "")
-            cells.append(f"{value:.3f}" if isinstance(value, float) else str(value))
-        lines.append(cells)
+    header = list(COLUMNS)
+    lines = [header] + [[_cell(row, col) for col in header] for row in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    out.append("(success: held-out success rate ± its binomial standard error)")
+    gains = [
+        _gain_line(row) for row in rows if "gain_over_sft" in row or "gain_over_baselines" in row
+    ]
+    if gains:
+        out += ["", "gains in success (points; * = more than two standard errors):", *gains]
     return "\n".join(out)
+
+
+def _gain_line(row: dict[str, Any]) -> str:
+    parts = []
+    for key in ("gain_over_sft", "gain_over_baselines"):
+        if key in row:
+            g = row[key]
+            mark = "*" if g["significant"] else " "
+            parts.append(f"vs {g['over']:<8} {100 * g['gain']:+5.1f} ± {100 * g['se']:.1f}{mark}")
+    return f"  round {row['round']} {row['policy']:<5} {row['env']:<8} " + "   ".join(parts)

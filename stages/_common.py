@@ -24,6 +24,9 @@ def load_tasks(
 ) -> list[Task]:
     """An env's tasks of one split; with ``limit``, the ``window``-th run of ``limit`` tasks
     (window 0 = the first ``limit``), wrapping around the end of the list."""
+    held = tasks.manifest.get("split")
+    if held is not None and held != split:
+        raise ValueError(f"{tasks.id} holds the {held} split, not {split}")
     frame = cast(pl.DataFrame, pl.from_arrow(store.read(tasks))).filter(
         (pl.col("env") == env) & (pl.col("split") == split)
     )
@@ -103,3 +106,114 @@ def run_in_shards(
             f"success {ok:.1%}, {time.time() - t0:.1f}s",
             flush=True,
         )
+
+
+def validation_config(cfg: Any, section: Any) -> dict[str, Any] | None:
+    """What a training stage's validation adds to its artifact id (None when it does not validate)."""
+    if not section.val_every:
+        return None
+    if section.val_metric == "loss":
+        return {"metric": "loss"}
+    return {
+        "metric": "success",
+        "val_tasks": cfg.evaluate.val_tasks,
+        "engine": cfg.engine_dump(),
+        "envs": cfg.envs_dump(),
+    }
+
+
+def validation_inputs(
+    section: Any, val_tasks: ArtifactRef | None, val_demos: ArtifactRef | None
+) -> list[str]:
+    """The ids of the artifacts a training stage's validation reads (for its inputs): the
+    expert artifact (its val rows) for loss, the val tasks for success; [] without validation."""
+    if not section.val_every:
+        return []
+    ref, what = (
+        (val_demos, "the expert artifact (its val split rows)")
+        if section.val_metric == "loss"
+        else (val_tasks, "the val tasks artifact")
+    )
+    if ref is None:
+        raise ValueError(f"validation by {section.val_metric} needs {what}")
+    return [ref.id]
+
+
+def validation(
+    cfg: Any,
+    section: Any,
+    store: Store,
+    tokenizer: Any,
+    val_tasks: ArtifactRef | None,
+    val_demos: ArtifactRef | None,
+) -> Callable[[Any], dict[str, float]] | None:
+    """The ``validate(module)`` callback a training stage hands the loop; None when
+    ``section.val_every`` is 0.
+
+    loss: token-mean masked CE on the val split's expert trajectories (score = -loss);
+    success: greedy success rate on the first ``evaluate.val_tasks`` val tasks of every env.
+    Only val-split artifacts are read: the test split never selects a checkpoint."""
+    if not validation_inputs(section, val_tasks, val_demos):
+        return None
+    if section.val_metric == "loss":
+        assert val_demos is not None
+        return _val_loss(store, section, tokenizer, val_demos)
+    assert val_tasks is not None
+    return _val_success(cfg, store, tokenizer, val_tasks)
+
+
+def _val_loss(
+    store: Store, section: Any, tokenizer: Any, demos: ArtifactRef
+) -> Callable[[Any], dict[str, float]]:
+    from flywheel.chat import encode_chat
+    from flywheel.training.loop import validation_loss
+
+    frame = cast(pl.DataFrame, pl.from_arrow(store.read(demos, columns=["split", "messages"])))
+    rows = frame.filter(pl.col("split") == "val")["messages"].to_list()
+    if not rows:
+        raise ValueError(f"{demos.id} holds no val-split trajectories to validate on (envs n_val)")
+    examples = []
+    for messages in rows:
+        ids, mask = encode_chat(tokenizer, messages)
+        examples.append({"input_ids": ids, "loss_mask": mask})
+
+    def validate(module: Any) -> dict[str, float]:
+        loss = validation_loss(
+            module, examples, batch_size=section.micro_batch_size, max_length=section.max_length
+        )
+        return {"score": -loss, "val_loss": loss}
+
+    return validate
+
+
+def _val_success(
+    cfg: Any, store: Store, tokenizer: Any, val_tasks: ArtifactRef
+) -> Callable[[Any], dict[str, float]]:
+    from flywheel.agent import run_episodes
+    from flywheel.engines.base import SamplingParams
+    from flywheel.engines.hf import HFEngine
+    from flywheel.envs import make_suite
+
+    limit = cfg.evaluate.val_tasks
+    by_env = [
+        (e, make_suite(e), load_tasks(store, val_tasks, env=e.name, split="val", limit=limit))
+        for e in cfg.envs
+    ]
+    if not any(tasks for _, _, tasks in by_env):
+        raise ValueError(f"{val_tasks.id} holds no val tasks to validate on (envs n_val)")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.engine.max_new_tokens, seed=0)
+
+    def validate(module: Any) -> dict[str, float]:
+        device = str(next(module.parameters()).device)  # stay where the training put it
+        engine = HFEngine(module, tokenizer, batch_size=cfg.engine.batch_size, device=device)
+        ok = n = 0
+        for env_cfg, suite, tasks in by_env:
+            episodes = run_episodes(
+                engine, suite, tasks, sampling=sampling, max_steps=env_cfg.max_steps,
+                env_workers=cfg.engine.env_workers,
+            )  # fmt: skip
+            ok += sum(bool(ep["success"]) for ep in episodes)
+            n += len(episodes)
+        return {"score": ok / n, "val_success": ok / n}
+
+    return validate

@@ -35,13 +35,15 @@ import pyarrow.parquet as pq
 from flywheel.chat import align_turn_ids, encode_chat
 from flywheel.checkpoint import (
     load_policy,
+    train_summary,
     unchanged_checkpoint,
     write_checkpoint,
     write_train_log,
 )
-from flywheel.config import Config, DpoConfig
+from flywheel.config import Config, DpoConfig, TrainSection
 from flywheel.store import ArtifactRef, Store
-from flywheel.training.loop import TrainConfig, compute_ref_logps, train
+from flywheel.training.loop import LossParams, compute_ref_logps, train
+from stages._common import validation, validation_config, validation_inputs
 
 REF_LOGPS = "ref_logps.parquet"
 REF_SCHEMA = pa.schema(
@@ -56,8 +58,6 @@ REF_SCHEMA = pa.schema(
         ("ref_rejected_logp", pa.float64()),
     ]
 )
-# Fields of the section that are not TrainConfig fields, or are resolved per round.
-OWN_FIELDS = {"beta", "lr", "reference"}
 
 
 def per_round(values: list[float], round: int) -> float:
@@ -66,23 +66,22 @@ def per_round(values: list[float], round: int) -> float:
 
 
 def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
-    """What the artifact id hashes: the section, the seed and the values this round resolved."""
+    """What the artifact id hashes: the section, the seed, the values this round resolved and
+    what validation reads."""
     dc: DpoConfig = cfg.dpo  # type: ignore[attr-defined]
     return {
         "dpo": dc.model_dump(),
         "beta": per_round(dc.beta, round),
         "lr": per_round(dc.lr, round),
         "seed": cfg.run.seed,
+        "validation": validation_config(cfg, dc),
     }
 
 
-def train_config(dc: DpoConfig, round: int, seed: int) -> TrainConfig:
-    return TrainConfig(
-        **dc.model_dump(exclude=OWN_FIELDS),
-        lr=per_round(dc.lr, round),
-        beta=per_round(dc.beta, round),
-        seed=seed,
-    )
+def train_section(dc: DpoConfig, round: int) -> TrainSection:
+    """The training knobs of this round: the section with its per-round lr resolved."""
+    knobs = dc.model_dump(include=set(TrainSection.model_fields)) | {"lr": per_round(dc.lr, round)}
+    return TrainSection(**knobs)
 
 
 def _side(
@@ -112,7 +111,8 @@ def pair_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, list[int]]:
 
 def last_epoch_mean(history: list[dict[str, Any]], key: str) -> float:
     """Mean of a per-step stat over the last epoch (the last step alone may hold a single pair)."""
-    last = [h[key] for h in history if h["epoch"] == history[-1]["epoch"]]
+    steps = [h for h in history if key in h]  # not the validation before the first step
+    last = [h[key] for h in steps if h["epoch"] == steps[-1]["epoch"]]
     return float(sum(last) / len(last))
 
 
@@ -145,6 +145,8 @@ def run(
     pairs: ArtifactRef,
     *,
     round: int,
+    val_tasks: ArtifactRef | None = None,
+    val_demos: ArtifactRef | None = None,
     log=None,
     force: bool = False,
 ) -> ArtifactRef:
@@ -154,7 +156,7 @@ def run(
         stage="dpo",
         round=round,
         config=artifact_config(cfg, round),
-        inputs=[policy.id, pairs.id],
+        inputs=[policy.id, pairs.id, *validation_inputs(dc, val_tasks, val_demos)],
         force=force,
     )
     if w.cached:
@@ -169,7 +171,8 @@ def run(
         "prompt", "chosen", "rejected", "chosen_turn_token_ids", "rejected_turn_token_ids"
     ).iter_rows(named=True)
     examples: list[dict[str, Any]] = [pair_example(tokenizer, row) for row in rows]
-    tc = train_config(dc, round, cfg.run.seed)
+    tc = train_section(dc, round)
+    params = LossParams(beta=per_round(dc.beta, round), nll_weight=dc.nll_weight)
     out = w.local_dir()
     ref_model = None
     if dc.reference == "precomputed":
@@ -188,19 +191,23 @@ def run(
 
     num_params = sum(p.numel() for p in model.parameters())
     print(
-        f"dpo: round {round}, {len(examples)} pairs from {pairs.id}, beta {tc.beta}, lr {tc.lr:g}, "
+        f"dpo: round {round}, {len(examples)} pairs from {pairs.id}, beta {params.beta}, lr {tc.lr:g}, "
         f"{dc.reference} reference"
     )
-    result = train(model, examples, loss="dpo", cfg=tc, out_dir=out, ref_model=ref_model, log=log)
+    validate = validation(cfg, dc, store, tokenizer, val_tasks, val_demos)
+    result = train(
+        model, examples, loss="dpo", cfg=tc, seed=cfg.run.seed, params=params, out_dir=out,
+        ref_model=ref_model, log=log, validate=validate, log_every=cfg.run.log_every,
+    )  # fmt: skip
     write_train_log(out, result.history)
     summary = {
         "pairs": len(examples),
-        "beta": tc.beta,
+        "beta": params.beta,
         "lr": tc.lr,
         "reward_accuracy": last_epoch_mean(result.history, "accuracy"),
         "chosen_reward": last_epoch_mean(result.history, "chosen_reward"),
         "rejected_reward": last_epoch_mean(result.history, "rejected_reward"),
-        "train_time_s": result.train_time_s,
+        **train_summary(result),
     }
     summary["reward_margin"] = summary["chosen_reward"] - summary["rejected_reward"]
     return write_checkpoint(

@@ -6,7 +6,7 @@ writes one eval row per episode and the metrics of ALGORITHMS.md per env in the 
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import polars as pl
 
@@ -32,6 +32,17 @@ EVAL_KEYS = (
 )
 
 
+def artifact_config(cfg: Config, policy: ArtifactRef) -> dict[str, Any]:
+    """What the artifact id hashes: decoding, engine and env settings, and the kind of policy
+    evaluated (its id is an input; its stage names the row of the report)."""
+    return {
+        "evaluate": cfg.evaluate.model_dump(exclude={"untrained", "val_tasks"}),
+        "engine": cfg.engine_dump(),
+        "envs": cfg.envs_dump(),
+        "policy_stage": policy.stage,
+    }
+
+
 def run(
     cfg: Config,
     store: Store,
@@ -45,7 +56,7 @@ def run(
         "eval",
         stage="evaluate",
         round=round,
-        config={**cfg.stage_inputs("evaluate"), "policy_stage": policy.stage},
+        config=artifact_config(cfg, policy),
         inputs=[policy.id, tasks.id],
         force=force,
     )

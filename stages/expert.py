@@ -1,4 +1,10 @@
-"""Stage ``expert``: trajectories of every env's oracle on the training tasks (source=expert).
+"""Stage ``expert``: trajectories of every env's oracle (source=expert) on the training tasks
+that get demonstrations and on every val task.
+
+Demonstrations are expensive where they come from people; tasks with only a reward check are
+cheap. ``expert.n_tasks: N`` gives demonstrations for the first N train tasks of each env only;
+exploration covers the rest from rewards alone. The val split's oracle runs are what SFT's
+validation loss is measured on (``sft.val_metric: loss``); no stage trains on them.
 
 Each oracle turn is stepped through a real env, so the stored observations and rewards are what
 the env really returns; an oracle that fails a task is reported in the summary.
@@ -8,7 +14,7 @@ the env really returns; an oracle that fails a task is reported in the summary.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import polars as pl
 
@@ -19,31 +25,43 @@ from flywheel.store import ArtifactRef, Store
 from stages._common import load_tasks, trajectory_rows
 
 
-def run(cfg: Config, store: Store, tasks: ArtifactRef, *, force: bool = False) -> ArtifactRef:
+def artifact_config(cfg: Config) -> dict[str, Any]:
+    """What the artifact id hashes: every env's settings and the share with demonstrations."""
+    return {"envs": cfg.envs_dump(), "n_tasks": cfg.expert.n_tasks}
+
+
+def run(
+    cfg: Config, store: Store, train: ArtifactRef, val: ArtifactRef, *, force: bool = False
+) -> ArtifactRef:
     w = store.writer(
         "trajectories",
         stage="expert",
         round=0,
-        config=cfg.stage_inputs("expert"),
-        inputs=[tasks.id],
+        config=artifact_config(cfg),
+        inputs=[train.id, val.id],
         force=force,
     )
     if w.cached:
         return w.ref
-    for shard, env_cfg in enumerate(cfg.envs):
-        if w.has_shard(shard):
-            continue
+    shard = 0
+    for env_cfg in cfg.envs:
         suite = make_suite(env_cfg)
-        env_tasks = load_tasks(store, tasks, env=env_cfg.name, split="train")
-        episodes = expert_episodes(suite, env_tasks)
-        rows = trajectory_rows(episodes, round=0, policy="oracle", source="expert")
-        w.write_shard(shard, rows)
-        ok = sum(r["success"] for r in rows) / max(len(rows), 1)
-        print(f"expert: {env_cfg.name}: {len(rows)} trajectories, oracle success {ok:.1%}")
+        for split, ref, limit in (("train", train, cfg.expert.n_tasks), ("val", val, None)):
+            if not w.has_shard(shard):
+                env_tasks = load_tasks(store, ref, env=env_cfg.name, split=split, limit=limit)
+                episodes = expert_episodes(suite, env_tasks)
+                rows = trajectory_rows(episodes, round=0, policy="oracle", source="expert")
+                w.write_shard(shard, rows)
+                ok = sum(r["success"] for r in rows) / max(len(rows), 1)
+                print(
+                    f"expert: {env_cfg.name} {split}: {len(rows)} trajectories, oracle success {ok:.1%}"
+                )
+            shard += 1
     # From every shard, so a run resumed after a crash still summarises the envs done before it.
-    done = cast(pl.DataFrame, pl.from_arrow(w.read_shards().select(["env", "success"])))
-    summary = {
-        f"{env}/oracle_success": float(cast(float, group["success"].mean()))
-        for (env,), group in done.group_by("env")
-    }
+    done = cast(pl.DataFrame, pl.from_arrow(w.read_shards().select(["env", "split", "success"])))
+    summary: dict[str, float] = {}
+    for (env, split), group in done.group_by("env", "split"):
+        summary[f"{env}/{split}_demonstrations"] = float(group.height)
+        if split == "train":
+            summary[f"{env}/oracle_success"] = float(cast(float, group["success"].mean()))
     return w.commit(summary=summary)

@@ -12,7 +12,7 @@ Written in shards: killed in the middle, a rerun keeps the finished shards and d
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import polars as pl
 
@@ -22,6 +22,18 @@ from flywheel.engines.base import SamplingParams
 from flywheel.metrics import flatten, summarize
 from flywheel.store import ArtifactRef, Store
 from stages._common import rollout_setup, run_in_shards, trajectory_rows
+
+
+def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
+    """What the artifact id hashes: sampling, engine and env settings, the seed, and the window
+    of train tasks this round explores."""
+    return {
+        "explore": cfg.explore.model_dump(),
+        "engine": cfg.engine_dump(),
+        "envs": cfg.envs_dump(),
+        "seed": cfg.run.seed,
+        "window": round - 1,
+    }
 
 
 def run(
@@ -37,7 +49,7 @@ def run(
         "trajectories",
         stage="explore",
         round=round,
-        config={**cfg.stage_inputs("explore"), "window": round - 1},
+        config=artifact_config(cfg, round),
         inputs=[policy.id, tasks.id],
         force=force,
     )

@@ -35,15 +35,20 @@ from typing import Any
 import polars as pl
 
 from flywheel.chat import align_turn_ids, encode_chat
-from flywheel.checkpoint import load_policy, unchanged_checkpoint, write_checkpoint, write_train_log
+from flywheel.checkpoint import (
+    load_policy,
+    train_summary,
+    unchanged_checkpoint,
+    write_checkpoint,
+    write_train_log,
+)
 from flywheel.config import Config, GrpoConfig
 from flywheel.store import ArtifactRef, Store
-from flywheel.training.loop import TrainConfig, train
+from flywheel.training.loop import LossParams, train
 from flywheel.training.losses import anneal, efficiency_reward, group_advantages
+from stages._common import validation, validation_config, validation_inputs
 
 BROKEN_FORMAT = ("invalid", "error")
-# Fields of the section that are not TrainConfig fields.
-OWN_FIELDS = {"efficiency_reward", "s_tool", "s_len", "drop_flat_groups", "expert_ratio"}
 
 
 def sharpness(gc: GrpoConfig, round: int, rounds: int) -> tuple[float, float]:
@@ -52,11 +57,16 @@ def sharpness(gc: GrpoConfig, round: int, rounds: int) -> tuple[float, float]:
 
 
 def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
-    """What the artifact id hashes: the section, the seed and, with the efficiency reward on,
-    the sharpness this round resolved (it depends on run.rounds)."""
+    """What the artifact id hashes: the section, the seed, with the efficiency reward on the
+    sharpness this round resolved (it depends on run.rounds), and what validation reads."""
     gc: GrpoConfig = cfg.grpo  # type: ignore[attr-defined]
     resolved = sharpness(gc, round, cfg.run.rounds) if gc.efficiency_reward else None
-    return {"grpo": gc.model_dump(), "sharpness": resolved, "seed": cfg.run.seed}
+    return {
+        "grpo": gc.model_dump(),
+        "sharpness": resolved,
+        "seed": cfg.run.seed,
+        "validation": validation_config(cfg, gc),
+    }
 
 
 def rewards(frame: pl.DataFrame, gc: GrpoConfig, s_tool: float, s_len: float) -> list[float]:
@@ -121,7 +131,7 @@ def unsolved_expert(
         .filter(~pl.col("solved"))
     )
     candidates = (
-        expert.filter(pl.col("success").fill_null(False))
+        expert.filter(pl.col("success").fill_null(False) & (pl.col("split") == "train"))
         .join(unsolved.select("env", "task_id"), on=["env", "task_id"], how="semi")
         .unique(["env", "task_id"], keep="first")
         .sort("env", "task_id")
@@ -173,6 +183,8 @@ def run(
     expert: ArtifactRef | None = None,
     *,
     round: int,
+    val_tasks: ArtifactRef | None = None,
+    val_demos: ArtifactRef | None = None,
     log=None,
     force: bool = False,
 ) -> ArtifactRef:
@@ -187,7 +199,9 @@ def run(
         stage="grpo",
         round=round,
         config=artifact_config(cfg, round),
-        inputs=[policy.id, groups.id] + ([explored.id, expert.id] if mix else []),  # type: ignore[union-attr]
+        inputs=[policy.id, groups.id]
+        + ([explored.id, expert.id] if mix else [])  # type: ignore[union-attr]
+        + validation_inputs(gc, val_tasks, val_demos),
         force=force,
     )
     if w.cached:
@@ -228,7 +242,7 @@ def run(
         examples = [ex | {"expert": 0.0} for ex in examples]
         examples += [expert_example(tokenizer, row) for row in gold.iter_rows(named=True)]
         n_expert = gold.height
-    tc = TrainConfig(**gc.model_dump(exclude=OWN_FIELDS), seed=cfg.run.seed)
+    params = LossParams(clip=gc.clip, kl_coef=gc.kl_coef, expert_weight=gc.expert_weight)
     ref_model = copy.deepcopy(model) if gc.kl_coef > 0 else None
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
@@ -243,9 +257,13 @@ def run(
             else ""
         )
     )
-    result = train(model, examples, loss="grpo", cfg=tc, out_dir=out, ref_model=ref_model, log=log)
+    validate = validation(cfg, gc, store, tokenizer, val_tasks, val_demos)
+    result = train(
+        model, examples, loss="grpo", cfg=gc, seed=cfg.run.seed, params=params, out_dir=out,
+        ref_model=ref_model, log=log, validate=validate, log_every=cfg.run.log_every,
+    )  # fmt: skip
     write_train_log(out, result.history)
-    history = result.history
+    history = [h for h in result.history if "loss" in h]  # not the validation before step 1
     summary = {
         "groups": used,
         "groups_flat": counts["groups_flat"],
@@ -254,7 +272,7 @@ def run(
         "mean_reward": float(frame["train_reward"].mean()),  # type: ignore[arg-type]
         "clip_fraction": sum(h["clip_fraction"] for h in history) / len(history),
         "first_ratio": history[0]["ratio"],
-        "train_time_s": result.train_time_s,
+        **train_summary(result),
     }
     if gc.efficiency_reward:
         summary |= {"s_tool": s_tool, "s_len": s_len}

@@ -1,7 +1,7 @@
 """Stage ``init``: the starting checkpoint pi_init.
 
 With ``model.base`` null it builds the embedded policy: a word-level tokenizer trained on the
-expert trajectories' text and a randomly initialised tiny Llama-architecture model, all local.
+expert trajectories' text and the train tasks' prompts, and a randomly initialised tiny Llama-architecture model, all local.
 With ``model.base`` a local Hugging Face folder it loads that model and tokenizer as they are.
 
     flywheel stage init --round 0
@@ -10,6 +10,7 @@ With ``model.base`` a local Hugging Face folder it loads that model and tokenize
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow.compute as pc
 
@@ -18,14 +19,21 @@ from flywheel.config import Config
 from flywheel.store import ArtifactRef, Store
 
 
-def run(cfg: Config, store: Store, expert: ArtifactRef, *, force: bool = False) -> ArtifactRef:
+def artifact_config(cfg: Config) -> dict[str, Any]:
+    """What the artifact id hashes: the model section and the seed of the random init."""
+    return {"model": cfg.model.model_dump(), "seed": cfg.run.seed}
+
+
+def run(
+    cfg: Config, store: Store, expert: ArtifactRef, train: ArtifactRef, *, force: bool = False
+) -> ArtifactRef:
     base = cfg.model.base
-    inputs = [] if base else [expert.id]
+    inputs = [] if base else [expert.id, train.id]
     w = store.writer(
         "checkpoints",
         stage="init",
         round=0,
-        config=cfg.stage_inputs("init"),
+        config=artifact_config(cfg),
         inputs=inputs,
         force=force,
     )
@@ -38,6 +46,8 @@ def run(cfg: Config, store: Store, expert: ArtifactRef, *, force: bool = False) 
 
         messages = store.read(expert, columns=["messages"]).column("messages")
         texts = pc.struct_field(pc.list_flatten(messages), "content").to_pylist()
+        # Every train prompt too: tasks without a demonstration must not hold unknown words.
+        texts += store.read(train, columns=["prompt"]).column("prompt").to_pylist()
         tokenizer = train_tokenizer(texts)
         tiny = cfg.model.tiny
         model = build_tiny_model(

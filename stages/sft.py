@@ -1,8 +1,12 @@
 """Stage ``sft``: masked cross-entropy on trajectories, from a checkpoint to a new checkpoint.
 
-Round 0 trains pi_init on the expert trajectories. In later rounds it trains on the round's
-successful explored trajectories (good paths; revisions join them once splice exists). Only
-assistant turns with ``loss=true`` are trained; sampled turns are trained on their stored ids.
+Round 0 trains pi_init on the expert trajectories of the train split until validation stops
+improving (``sft.val_every``, ``sft.val_metric``: the val split's expert trajectories' loss, or
+greedy success on the val tasks; ``sft.patience``; ``sft.max_steps`` caps it), and keeps the best
+validated weights, so the bootstrap policy is converged without hand-tuning epochs. In later
+rounds it trains on the round's successful explored trajectories (good paths; revisions join them
+once splice exists). Only assistant turns with ``loss=true`` are trained; sampled turns are
+trained on their stored ids. Val-split rows are never trained on.
 
     flywheel stage sft --round 0
 """
@@ -14,29 +18,51 @@ from typing import Any, cast
 import polars as pl
 
 from flywheel.chat import align_turn_ids, encode_chat
-from flywheel.checkpoint import load_policy, unchanged_checkpoint, write_checkpoint, write_train_log
-from flywheel.config import Config, TrainSection
+from flywheel.checkpoint import (
+    load_policy,
+    train_summary,
+    unchanged_checkpoint,
+    write_checkpoint,
+    write_train_log,
+)
+from flywheel.config import Config
 from flywheel.store import ArtifactRef, Store
-from flywheel.training.loop import TrainConfig, train
+from flywheel.training.loop import train
+from stages._common import validation, validation_config, validation_inputs
 
 
-def train_config(section: TrainSection, seed: int, **extra: Any) -> TrainConfig:
-    return TrainConfig(**section.model_dump(), seed=seed, **extra)
+def artifact_config(cfg: Config) -> dict[str, Any]:
+    """What the artifact id hashes: the sft section, the seed and what validation reads."""
+    return {
+        "sft": cfg.sft.model_dump(),
+        "seed": cfg.run.seed,
+        "validation": validation_config(cfg, cfg.sft),
+    }
+
+
+def encode_rows(frame: pl.DataFrame, tokenizer: Any) -> list[dict[str, list[int]]]:
+    """Trajectory rows -> sft examples (sampled turns on their stored ids, the rest from text)."""
+    examples = []
+    for row in frame.select("messages", "turn_token_ids").iter_rows(named=True):
+        turn_ids = align_turn_ids(row["messages"], row["turn_token_ids"] or [])
+        ids, mask = encode_chat(tokenizer, row["messages"], turn_ids)
+        examples.append({"input_ids": ids, "loss_mask": mask})
+    return examples
 
 
 def examples_from(
     store: Store, data: list[ArtifactRef], tokenizer: Any
 ) -> list[dict[str, list[int]]]:
-    """Expert and revision rows are all trained; explored rows only when they succeeded."""
+    """Train-split rows only; expert and revision rows are all trained, explored rows only when
+    they succeeded."""
     frames = [cast(pl.DataFrame, pl.from_arrow(store.read(ref))) for ref in data]
     frame = pl.concat(frames) if frames else pl.DataFrame()
-    keep = frame.filter((pl.col("source") != "explore") | pl.col("success"))
-    examples = []
-    for row in keep.select("messages", "turn_token_ids").iter_rows(named=True):
-        turn_ids = align_turn_ids(row["messages"], row["turn_token_ids"] or [])
-        ids, mask = encode_chat(tokenizer, row["messages"], turn_ids)
-        examples.append({"input_ids": ids, "loss_mask": mask})
-    return examples
+    if frame.is_empty():
+        return []
+    keep = frame.filter(
+        (pl.col("split") == "train") & ((pl.col("source") != "explore") | pl.col("success"))
+    )
+    return encode_rows(keep, tokenizer)
 
 
 def run(
@@ -46,15 +72,18 @@ def run(
     data: list[ArtifactRef],
     *,
     round: int,
+    val_tasks: ArtifactRef | None = None,
+    val_demos: ArtifactRef | None = None,
     log=None,
     force: bool = False,
 ) -> ArtifactRef:
+    val_ids = validation_inputs(cfg.sft, val_tasks, val_demos)
     w = store.writer(
         "checkpoints",
         stage="sft",
         round=round,
-        config=cfg.stage_inputs("sft"),
-        inputs=[policy.id, *(d.id for d in data)],
+        config=artifact_config(cfg),
+        inputs=[policy.id, *(d.id for d in data), *val_ids],
         force=force,
     )
     if w.cached:
@@ -68,24 +97,19 @@ def run(
         return unchanged_checkpoint(
             w, store, policy, stage="sft", round=round, reason="no successful trajectories"
         )
+    validate = validation(cfg, cfg.sft, store, tokenizer, val_tasks, val_demos)
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
     result = train(
-        model, examples, loss="sft", cfg=train_config(cfg.sft, cfg.run.seed), out_dir=out, log=log
-    )
+        model, examples, loss="sft", cfg=cfg.sft, seed=cfg.run.seed, out_dir=out, log=log,
+        validate=validate, log_every=cfg.run.log_every,
+    )  # fmt: skip
     write_train_log(out, result.history)
     return write_checkpoint(
-        w,
-        model,
-        tokenizer,
-        policy="sft",
-        round=round,
-        parent=policy.id,
-        base=policy.summary.get("base", ""),
-        train_steps=result.steps,
+        w, model, tokenizer, policy="sft", round=round, parent=policy.id,
+        base=policy.summary.get("base", ""), train_steps=result.steps,
         final_loss=result.final_loss,
-        summary={"examples": len(examples), "train_time_s": result.train_time_s},
-        save_model=False,
-        num_params=num_params,
-    )
+        summary={"examples": len(examples), **train_summary(result)},
+        save_model=False, num_params=num_params,
+    )  # fmt: skip

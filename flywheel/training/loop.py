@@ -1,8 +1,17 @@
 """One training loop for the three losses (masked CE, DPO, GRPO) on DeepSpeed.
 
-    result = train(model, examples, loss="sft", cfg=TrainConfig(), out_dir="ckpt/")
+    result = train(model, examples, loss="sft", cfg=SftConfig(), seed=0, out_dir="ckpt/")
 
-`examples` are the dicts described in `flywheel.training.data`. The loop wraps the model in a
+`cfg` is any training section of the config (`flywheel.config.TrainSection`: the one place the
+training knobs and their defaults are defined); the loss's own numbers (DPO's beta, GRPO's clip,
+...) come as `params=LossParams(...)`. `examples` are the dicts described in
+`flywheel.training.data`.
+
+Validation: with `cfg.val_every > 0` and a `validate(module) -> {"score": ..., ...}` callback
+(higher is better), the loop validates before the first step and every `val_every` steps, keeps
+the best weights in `out_dir/_best`, stops after `cfg.patience` validations without an
+improvement of more than `cfg.min_delta`, and leaves the best weights in `out_dir`. A token
+budget (`max_tokens`) stops training once that many tokens were trained (compute matching). The loop wraps the model in a
 DeepSpeed engine (ZeRO stage from the config; gloo on CPU, the accelerator's backend elsewhere),
 with a torch AdamW and a warmup + cosine LambdaLR, walks length-bucketed micro-batches, and saves a
 Hugging Face folder (model only; the caller saves the tokenizer) to `out_dir`.
@@ -32,60 +41,55 @@ import socket
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from flywheel.config import TrainSection
 from flywheel.training import data, losses
 from flywheel.training.prebuild import ensure_extensions_dir
 
 STATE_DIR = "_train_state"
+BEST_DIR = "_best"  # the best validated weights so far, an HF folder inside out_dir
 
 
-@dataclass
-class TrainConfig:
-    """Knobs of one training run; defaults are the 7B-scale values of ALGORITHMS.md where given.
+@dataclass(frozen=True)
+class LossParams:
+    """The loss's own numbers; the stage passes the ones its loss reads (None: not used).
 
-    A plain dataclass: the config system maps its pydantic section (with the help texts) onto it.
+    dpo: beta (inverse temperature), nll_weight (+ w * token-mean NLL of the chosen side).
+    grpo: clip (PPO ratio clip), kl_coef (weight of 0.5*(logp - logp_ref)^2), expert_weight (MIX).
     """
 
-    epochs: int = 3  # passes over the examples
-    lr: float = 2e-5  # peak learning rate (AdamW)
-    warmup_ratio: float = 0.03  # share of the steps spent warming up linearly
-    schedule: Literal["cosine", "constant"] = "cosine"  # LR shape after warmup (cosine ends at 0)
-    micro_batch_size: int = 4  # examples per forward pass, per rank
-    grad_accum: int = 1  # micro-batches per optimizer step, per rank
-    max_length: int = 4096  # tokens kept per sequence; the start is kept
-    zero_stage: int = 2  # DeepSpeed ZeRO stage: 0, 1, 2 or 3
-    seed: int = 0  # seeds the batch order and torch's RNG
-    checkpoint_every: int = 0  # optimizer steps between resumable train states; 0 = none
-    max_steps: int | None = None  # cap on optimizer steps; the LR schedule ends there
-    beta: float = 0.1  # DPO inverse temperature
-    nll_weight: float = 0.0  # DPO: + this * token-mean NLL of the chosen side (keeps it likely)
-    clip: float = 0.2  # GRPO ratio clip
-    kl_coef: float = 0.0  # GRPO weight of 0.5*(logp - logp_ref)^2
-    expert_weight: float = 0.0  # GRPO MIX: weight of the expert rows' NLL (1 - w on GRPO)
-    weight_decay: float = 0.0  # AdamW weight decay, on matrices only
-    grad_clip: float = 1.0  # max global gradient norm; 0 = off
-    bf16: bool = True  # bf16 weights and compute on an accelerator; always off on CPU
-    deepspeed_config: str | None = None  # JSON template; its "auto" values come from here
-    # Batches sorted by length together. Sorting makes batches alike: on the arith SFT data a
-    # chunk of 4 or 50 batches left the loss at 1.1 after 150 steps where a plain shuffle (1)
-    # reached 0.56, so bucketing is opt-in for data whose lengths vary a lot.
-    bucket_batches: int = 1
-    log_every: int = 0  # steps between progress lines; 0 = about 20 lines per run
+    beta: float | None = None
+    nll_weight: float = 0.0
+    clip: float | None = None
+    kl_coef: float = 0.0
+    expert_weight: float = 0.0
+
+    def check(self, loss: str) -> None:
+        needed = {"dpo": ("beta",), "grpo": ("clip",)}.get(loss, ())
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"{loss} needs LossParams({', '.join(missing)}=...)")
 
 
 @dataclass
 class TrainResult:
     steps: int  # optimizer steps done, counting those before a resume
     final_loss: float
-    # One dict per step: step, epoch, loss, lr, tokens and the loss's own stats.
+    # One dict per step: step, epoch, loss, lr, tokens and the loss's own stats; a step that
+    # validated also carries the validation's numbers (val_score, ...).
     history: list[dict[str, float]]
     train_time_s: float  # wall time of this call
+    tokens: int = 0  # tokens trained (attention-mask tokens of every micro-batch), all steps
+    best_step: int | None = None  # the validated step whose weights were kept (None: the last)
+    best_score: float | None = None
+    stopped_early: bool = False  # patience ran out before the step cap
+    stop_reason: str = "steps"  # steps | patience | tokens
 
 
 def train(
@@ -93,28 +97,43 @@ def train(
     examples: Sequence[data.Example],
     *,
     loss: Literal["sft", "dpo", "grpo"],
-    cfg: TrainConfig,
+    cfg: TrainSection,
     out_dir: str | Path,
+    seed: int = 0,
+    params: LossParams | None = None,
     ref_model: torch.nn.Module | None = None,
     log: Callable[[dict], None] | None = None,
+    validate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+    max_tokens: int | None = None,
+    log_every: int = 0,
 ) -> TrainResult:
-    """Train `model` in place on `examples` with the given loss; save it as an HF folder in `out_dir`."""
+    """Train `model` in place on `examples` with the given loss; save it as an HF folder in `out_dir`
+    (the best validated weights when validating, else the last)."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
+    params = params or LossParams()
+    params.check(loss)
     data.validate(examples, loss)
     examples = [data.truncate(ex, loss, cfg.max_length) for ex in examples]
-    _check_reference(examples, loss, cfg, model, ref_model)
+    _check_reference(examples, loss, params, model, ref_model)
+    validating = validate is not None and cfg.val_every > 0
+    if validating and cfg.zero_stage == 3:
+        raise ValueError(
+            "validation during training needs zero_stage <= 2 (ZeRO-3 partitions the weights)"
+        )
     rank, world = init_distributed()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     lengths = [data.example_length(ex, loss) for ex in examples]
-    steps_per_epoch = math.ceil(len(_local_batches(lengths, cfg, 0, rank, world)) / cfg.grad_accum)
+    steps_per_epoch = math.ceil(
+        len(_local_batches(lengths, cfg, seed, 0, rank, world)) / cfg.grad_accum
+    )
     total = cfg.epochs * steps_per_epoch
     if cfg.max_steps is not None:
         total = min(total, cfg.max_steps)
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(seed)
     on_cpu = get_accelerator().device_name() == "cpu"
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, cfg))
@@ -129,30 +148,65 @@ def train(
         ref_model.eval().requires_grad_(False)
 
     state_dir = out_dir / STATE_DIR
-    fingerprint = _fingerprint(cfg, loss, lengths, world)
-    step, epoch, batch_index, history = _load_state(engine, state_dir, fingerprint)
+    fingerprint = _fingerprint(cfg, seed, params, loss, lengths, world, max_tokens)
+    st = _load_state(engine, state_dir, fingerprint)
+    step, epoch, batch_index, history = st.step, st.epoch, st.batch_index, st.history
     if step and rank == 0:
         print(f"[train {loss}] resumed at step {step}/{total} from {state_dir}", flush=True)
 
+    def check(at: int, record: dict[str, float]) -> None:
+        """Validate now; keep the weights when they beat the best by more than min_delta."""
+        assert validate is not None
+        found = _validate(engine.module, validate)
+        record.update({f"val_{k}" if k == "score" else k: v for k, v in found.items()})
+        if st.best_score is None or found["score"] > st.best_score + cfg.min_delta:
+            st.best_score, st.best_step, st.bad = found["score"], at, 0
+            _save_hf(engine, out_dir / BEST_DIR, cfg.zero_stage)
+        else:
+            st.bad += 1
+        if rank == 0:
+            line = "  ".join(f"{k} {v:.4f}" for k, v in found.items() if k != "score")
+            print(
+                f"[train {loss}] validate step {at}: {line} (best step {st.best_step}, "
+                f"{st.bad}/{cfg.patience} without improvement)",
+                flush=True,
+            )
+
+    if validating and st.best_score is None:
+        first: dict[str, float] = {"step": 0}
+        check(0, first)
+        st.validations.append(first)
+
     engine.train()
-    every = cfg.log_every or max(1, total // 20)
+    every = log_every or max(1, total // 20)
     window_tokens, window_start = 0, time.perf_counter()
     local, local_epoch = [], -1
+    reason = "steps"
     while step < total:
+        if max_tokens is not None and st.tokens >= max_tokens:
+            reason = "tokens"
+            break
+        if validating and st.bad >= cfg.patience:
+            reason = "patience"
+            break
         if local_epoch != epoch:
-            local, local_epoch = _local_batches(lengths, cfg, epoch, rank, world), epoch
+            local, local_epoch = _local_batches(lengths, cfg, seed, epoch, rank, world), epoch
         group = local[batch_index : batch_index + cfg.grad_accum]
         lr = scheduler.get_last_lr()[0]
         micro_batches = [[examples[i] for i in b] for b in group]
-        record = _train_step(engine, micro_batches, loss, cfg, ref_model)
+        record = _train_step(engine, micro_batches, loss, params, ref_model)
         step += 1
+        st.tokens += int(record["tokens"])
         record.update(step=step, epoch=epoch, lr=lr)
         batch_index += len(group)
         if batch_index >= len(local):
             epoch, batch_index = epoch + 1, 0
+        if validating and (step % cfg.val_every == 0 or step == total):
+            check(step, record)
         history.append(record)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
-            _save_state(engine, state_dir, fingerprint, step, epoch, batch_index, history)
+            st.step, st.epoch, st.batch_index = step, epoch, batch_index
+            _save_state(engine, state_dir, fingerprint, st)
         window_tokens += int(record["tokens"])
         if rank == 0 and (step % every == 0 or step == total):
             speed = window_tokens / max(time.perf_counter() - window_start, 1e-9)
@@ -162,19 +216,81 @@ def train(
         if log is not None:
             log(record)
 
-    _save_hf(engine, out_dir, cfg.zero_stage)
+    if validating:
+        if rank == 0:
+            print(
+                f"[train {loss}] kept step {st.best_step} (val score {st.best_score:.4f}); "
+                f"stopped at step {step}/{total} ({reason})",
+                flush=True,
+            )
+        dist.barrier()
+        if rank == 0:
+            _adopt_best(out_dir)
+    else:
+        _save_hf(engine, out_dir, cfg.zero_stage)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(state_dir, ignore_errors=True)
     final = history[-1]["loss"] if history else float("nan")
-    return TrainResult(step, final, history, time.perf_counter() - start)
+    return TrainResult(
+        step, final, st.validations + history, time.perf_counter() - start, tokens=st.tokens,
+        best_step=st.best_step if validating else None,
+        best_score=st.best_score if validating else None,
+        stopped_early=reason == "patience", stop_reason=reason,
+    )  # fmt: skip
+
+
+def _validate(
+    module: torch.nn.Module, validate: Callable[[torch.nn.Module], dict[str, float]]
+) -> dict[str, float]:
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            found = dict(validate(module))
+    finally:
+        module.train(was_training)
+    if "score" not in found or not math.isfinite(found["score"]):
+        raise ValueError(f"validate() must return a finite 'score', got {found}")
+    return found
+
+
+def _adopt_best(out_dir: Path) -> None:
+    """Move the best validated weights from out_dir/_best into out_dir."""
+    best = out_dir / BEST_DIR
+    for item in best.iterdir():
+        target = out_dir / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(item, target)
+    best.rmdir()
+
+
+def validation_loss(
+    model: torch.nn.Module, examples: Sequence[data.Example], *, batch_size: int, max_length: int
+) -> float:
+    """Token-mean masked CE of sft examples under `model` (no gradients): the val loss."""
+    data.validate(examples, "sft")
+    examples = [data.truncate(ex, "sft", max_length) for ex in examples]
+    device = next(model.parameters()).device
+    order = sorted(range(len(examples)), key=lambda i: -data.example_length(examples[i], "sft"))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            batch = data.collate([examples[i] for i in order[start : start + batch_size]], "sft")
+            batch = {k: v.to(device) for k, v in batch.items()}
+            logits = _logits(model, batch["input_ids"], batch["attention_mask"])
+            n = int(batch["loss_mask"][:, 1:].sum())
+            total += float(losses.masked_ce(logits, batch["input_ids"], batch["loss_mask"])) * n
+            count += n
+    return total / max(count, 1)
 
 
 def _train_step(
     engine: Any,
     micro_batches: list[list[data.Example]],
     kind: data.Kind,
-    cfg: TrainConfig,
+    params: LossParams,
     ref_model: Any,
 ) -> dict:
     """Forward/backward every micro-batch of one optimizer step, then step; return the step's numbers."""
@@ -185,7 +301,7 @@ def _train_step(
         # set by hand and the loss scaled by the real count, not by DeepSpeed's fixed one.
         engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
         batch = {k: v.to(engine.device) for k, v in data.collate(examples, kind).items()}
-        value, stats = _batch_loss(engine, batch, kind, cfg, ref_model)
+        value, stats = _batch_loss(engine, batch, kind, params, ref_model)
         engine.backward(value / len(micro_batches), scale_wrt_gas=False)
         engine.step()
         for name, v in {"loss": value.detach(), **stats}.items():
@@ -200,7 +316,7 @@ def _train_step(
 
 
 def _batch_loss(
-    model: Any, batch: dict[str, torch.Tensor], kind: data.Kind, cfg: TrainConfig, ref_model: Any
+    model: Any, batch: dict[str, torch.Tensor], kind: data.Kind, cfg: LossParams, ref_model: Any
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one collated batch under `model` (an engine or a plain module), and its stats."""
     if kind == "sft":
@@ -219,6 +335,7 @@ def _batch_loss(
             with torch.no_grad():
                 ref = losses.sequence_logprob(_logits(ref_model, ids, attention), ids, mask)
         (policy_chosen, policy_rejected), (ref_chosen, ref_rejected) = policy.chunk(2), ref.chunk(2)
+        assert cfg.beta is not None
         out = losses.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta)
         stats = {k: v for k, v in out._asdict().items() if k != "loss"}
         if cfg.nll_weight <= 0:
@@ -238,6 +355,7 @@ def _batch_loss(
         # Stored per-token fields are aligned with input_ids; logprobs start at token 1.
         mask = batch["loss_mask"][:, 1:]
         expert = batch.get("expert")
+        assert cfg.clip is not None
         policy_mask = mask if expert is None else mask * (1 - expert.to(mask.dtype)).unsqueeze(-1)
         value, grpo_stats = losses.grpo_loss(
             logprobs, batch["old_logprobs"][:, 1:], batch["advantage"], policy_mask,
@@ -312,7 +430,7 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainSection, world_size: int, bf16: bool) -> dict[str, Any]:
     """The DeepSpeed config for `cfg`: built from its fields, or its template with 'auto' filled in."""
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
@@ -368,7 +486,7 @@ def _logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
 
 
 def _check_reference(
-    examples: Sequence[data.Example], kind: str, cfg: TrainConfig, model: Any, ref_model: Any
+    examples: Sequence[data.Example], kind: str, cfg: LossParams, model: Any, ref_model: Any
 ) -> None:
     precomputed = {"dpo": "ref_chosen_logp", "grpo": "ref_logprobs"}.get(kind)
     needs_ref = kind == "dpo" or (kind == "grpo" and cfg.kl_coef > 0)
@@ -383,13 +501,13 @@ def _check_reference(
 
 
 def _local_batches(
-    lengths: list[int], cfg: TrainConfig, epoch: int, rank: int, world: int
+    lengths: list[int], cfg: TrainSection, seed: int, epoch: int, rank: int, world: int
 ) -> list[list[int]]:
     """This rank's micro-batches of an epoch. With several ranks the batch list is padded by
     wrapping around (as torch's DistributedSampler does) so every rank takes the same number of
     steps: ZeRO's collectives would hang otherwise."""
     batches = data.length_bucketed_batches(
-        lengths, cfg.micro_batch_size, seed=cfg.seed, epoch=epoch, chunk_batches=cfg.bucket_batches
+        lengths, cfg.micro_batch_size, seed=seed, epoch=epoch, chunk_batches=cfg.bucket_batches
     )
     for i in range((-len(batches)) % world):
         batches.append(batches[i])
@@ -405,7 +523,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     ]
 
 
-def _lr_lambda(total: int, cfg: TrainConfig) -> Callable[[int], float]:
+def _lr_lambda(total: int, cfg: TrainSection) -> Callable[[int], float]:
     warmup = math.ceil(cfg.warmup_ratio * total)
 
     def factor(step: int) -> float:
@@ -420,19 +538,26 @@ def _lr_lambda(total: int, cfg: TrainConfig) -> Callable[[int], float]:
     return factor
 
 
-def _save_state(
-    engine: Any,
-    state_dir: Path,
-    fingerprint: str,
-    step: int,
-    epoch: int,
-    batch_index: int,
-    history: list[dict[str, float]],
-) -> None:
+@dataclass
+class _State:
+    """Where a training run is: what a resumable train state saves and restores."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    tokens: int = 0
+    best_score: float | None = None
+    best_step: int | None = None
+    bad: int = 0  # validations since the last improvement
+    validations: list[dict[str, float]] = field(default_factory=list)  # the one before step 1
+
+
+def _save_state(engine: Any, state_dir: Path, fingerprint: str, st: _State) -> None:
     """Save a resumable train state, then drop older ones (DeepSpeed writes 'latest' only after a
     complete save, so a crash mid-save still resumes from the previous state)."""
-    tag = f"step{step}"
-    client = dict(step=step, epoch=epoch, batch_index=batch_index, history=history)
+    tag = f"step{st.step}"
+    client = dataclasses.asdict(st)
     client |= {"torch_rng": torch.get_rng_state(), "fingerprint": fingerprint}
     engine.save_checkpoint(str(state_dir), tag=tag, client_state=client)
     dist.barrier()
@@ -442,29 +567,33 @@ def _save_state(
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_state(
-    engine: Any, state_dir: Path, fingerprint: str
-) -> tuple[int, int, int, list[dict[str, float]]]:
-    """(step, epoch, batch index, history) of the latest train state, or the start of training."""
+def _load_state(engine: Any, state_dir: Path, fingerprint: str) -> _State:
+    """The latest train state, or the start of training."""
     if not (state_dir / "latest").exists():
-        return 0, 0, 0, []
+        return _State()
     _, client = engine.load_checkpoint(str(state_dir))
     if client["fingerprint"] != fingerprint:
         raise ValueError(
             f"{state_dir} holds the train state of a different run; delete it to start over"
         )
     torch.set_rng_state(client["torch_rng"])
-    return client["step"], client["epoch"], client["batch_index"], client["history"]
+    return _State(**{f.name: client[f.name] for f in dataclasses.fields(_State)})
 
 
-def _fingerprint(cfg: TrainConfig, kind: str, lengths: list[int], world: int) -> str:
-    # Everything that changes which parameters a step produces; not the checkpoint or log cadence.
-    knobs = {
-        k: v
-        for k, v in dataclasses.asdict(cfg).items()
-        if k not in ("checkpoint_every", "log_every")
-    }
-    blob = json.dumps([knobs, kind, lengths, world], sort_keys=True)
+def _fingerprint(
+    cfg: TrainSection,
+    seed: int,
+    params: LossParams,
+    kind: str,
+    lengths: list[int],
+    world: int,
+    max_tokens: int | None,
+) -> str:
+    # Everything that changes which parameters a step produces; not the checkpoint cadence.
+    knobs = cfg.model_dump(exclude={"checkpoint_every"})
+    blob = json.dumps(
+        [knobs, seed, dataclasses.asdict(params), kind, lengths, world, max_tokens], sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -1,4 +1,4 @@
-"""Benchmark: per-call latency of flywheel/envs/sandbox.py ``run_python`` in its two modes, ``fork``
+"""Benchmark: per-call latency of flywheel/envs/sandbox ``run_python`` in its two modes, ``fork``
 (a forked child of the fork server, the default) and ``spawn`` (a fresh interpreter per call),
 side by side, sequentially and from a pool of threads, on the code the arith expert runs.
 
@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from flywheel.agent import expert_episodes
-from flywheel.envs import arith, sandbox
-from flywheel.envs.sandbox import Mode, run_python
+from flywheel.envs import arith
+from flywheel.envs.sandbox import MAX_CONCURRENT, Mode, run_python
+from flywheel.envs.sandbox import runner as sandbox
 
 MODES: tuple[Mode, ...] = ("fork", "spawn")
 
@@ -113,7 +114,7 @@ def main() -> None:
     settings = [("sequential", 1), (f"{args.threads} threads", args.threads)]
     results = {(s, m): _cell(m, args.calls, t) for s, t in settings for m in MODES}
 
-    print(f"\n{args.calls} calls per cell, ms per call (MAX_CONCURRENT={sandbox.MAX_CONCURRENT})")
+    print(f"\n{args.calls} calls per cell, ms per call (MAX_CONCURRENT={MAX_CONCURRENT})")
     print(f"{'setting':14}{'metric':11}{'fork':>9}{'spawn':>9}{'spawn/fork':>12}")
     for setting, _ in settings:
         for metric in ("mean", "p50", "p95", "wall/call", "cpu/call"):

@@ -18,7 +18,7 @@ groups_eligible, groups_selected, trajectories_selected, front_1..front_3, front
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import polars as pl
@@ -42,6 +42,13 @@ PAIR_FIELDS = {
 GROUP_FIELDS = {"budget", "graded_threshold", "shard_rows"}
 
 
+def artifact_config(cfg: Config, artifact: str) -> dict[str, Any]:
+    """What each artifact's id hashes: its kind and only the pareto fields that shape it, so a
+    new group budget leaves the pairs (and the dpo run that reads them) a cache hit."""
+    fields = PAIR_FIELDS if artifact == "pairs" else GROUP_FIELDS
+    return {"artifact": artifact, "pareto": cfg.pareto.model_dump(include=fields)}
+
+
 def run(
     cfg: Config,
     store: Store,
@@ -59,7 +66,7 @@ def run(
         round=round,
         inputs=inputs,
         force=force,
-        config={"artifact": "pairs", "pareto": pc.model_dump(include=PAIR_FIELDS)},
+        config=artifact_config(cfg, "pairs"),
     )
     w_groups = store.writer(
         "groups",
@@ -67,7 +74,7 @@ def run(
         round=round,
         inputs=inputs,
         force=force,
-        config={"artifact": "groups", "pareto": pc.model_dump(include=GROUP_FIELDS)},
+        config=artifact_config(cfg, "groups"),
     )
     if w_pairs.cached and w_groups.cached:
         return w_pairs.ref, w_groups.ref

@@ -51,14 +51,16 @@ def pytest_unconfigure(config) -> None:
 
 
 def tiny_overrides(root: Path, *extra: str) -> list[str]:
-    """Overrides for a run that takes seconds: 24 train / 8 test arith tasks, a 1-layer policy,
-    3 SFT steps, K=2 and shards of 8 episodes; store and MLflow database under ``root``."""
+    """Overrides for a run that takes seconds: 24 train / 8 val / 8 test arith tasks, a 1-layer policy,
+    3 SFT steps, K=2 and shards of 8 episodes, both baselines; store and MLflow database under
+    ``root``."""
     return [
         f"run.work_dir={root / 'work'}",
         f"run.store={root / 'store'}",
         "run.name=tiny",
         "run.rounds=1",
         "envs.arith.n_train=24",
+        "envs.arith.n_val=8",
         "envs.arith.n_test=8",
         "envs.arith.max_steps=3",
         "model.tiny.hidden_size=32",
@@ -75,6 +77,13 @@ def tiny_overrides(root: Path, *extra: str) -> list[str]:
         "explore.samples_per_task=2",
         "explore.shard_size=8",
         "evaluate.shard_size=8",
+        "evaluate.untrained=true",
+        "baselines=[sft_more,rft]",
+        "sft_more.micro_batch_size=8",
+        "sft_more.max_length=256",
+        "rft.micro_batch_size=8",
+        "rft.max_length=256",
+        "rft.max_steps=3",
         "tracking.enabled=false",
         *extra,
     ]

@@ -19,7 +19,8 @@ from flywheel.config import load_config
 from flywheel.store import Store
 from tests.conftest import run_flywheel, stage_lines, tiny_overrides, write_tiny_yaml
 
-BOOTSTRAP = ["tasks", "expert", "init", "evaluate", "sft", "evaluate"]
+BOOTSTRAP = ["tasks", "tasks", "tasks", "expert", "init", "evaluate", "sft", "evaluate"]
+BASELINE_LINES = ["sft_more", "evaluate", "rft", "evaluate"]
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,8 @@ def test_first_run_runs_every_stage(tiny_flywheel):
     lines = tiny_flywheel.lines
     assert [stage for r, stage, _, _ in lines if r == 0] == BOOTSTRAP
     round1 = [stage for r, stage, _, _ in lines if r == 1]
-    assert round1[0] == "explore" and round1[-1] == "evaluate"
+    assert round1[0] == "explore" and round1[-len(BASELINE_LINES) :] == BASELINE_LINES
+    assert round1[-len(BASELINE_LINES) - 1] == "evaluate"
     cfg = load_config(None, tiny_flywheel.overrides)
     steps = cfg.iteration.steps
     assert set(steps) <= set(round1), f"round 1 ran {round1}, configured steps {steps}"
@@ -54,30 +56,76 @@ def test_second_run_is_all_cache_hits_and_fast(tiny_flywheel):
     assert rows == tiny_flywheel.report
 
 
+def owners(lines: list[tuple[int, str, bool, str]]) -> list[str]:
+    """Each progress line's stage, an evaluate line named after the policy stage it evaluates."""
+    out: list[str] = []
+    for _, stage, _, _ in lines:
+        out.append(out[-1] if stage == "evaluate" and out else stage)
+    return out
+
+
+ROUND_STAGES = {"explore", "pareto", "dpo", "sft_more", "rft"}
+
+
 @pytest.mark.parametrize(
-    ("override", "first_rerun"),
-    [("evaluate.temperature=0.5", None), ("sft.lr=0.001", "sft"), ("dpo.beta=[0.2]", "dpo")],
-    ids=["evaluate", "sft", "dpo-beta"],
+    ("override", "reruns"),
+    [
+        ("evaluate.temperature=0.5", "evaluate"),
+        ("sft.lr=0.001", {"sft"} | ROUND_STAGES),
+        ("dpo.beta=[0.2]", {"dpo", "sft_more"}),  # sft_more matches the rounds' compute
+        ("sft_more.lr=0.001", {"sft_more"}),
+        ("rft.per_task=2", {"rft"}),
+    ],
+    ids=["evaluate", "sft", "dpo-beta", "sft_more", "rft"],
 )
-def test_changed_config_reruns_that_stage_and_what_follows(tiny_flywheel, override, first_rerun):
+def test_changed_config_reruns_that_stage_and_what_follows(tiny_flywheel, override, reruns):
     before = manifests(tiny_flywheel.root)
     printed, _, _ = run_flywheel([*tiny_flywheel.overrides, override], rounds=1)
     lines = stage_lines(printed)
     assert [(r, s) for r, s, _, _ in lines] == [(r, s) for r, s, _, _ in tiny_flywheel.lines]
-    if first_rerun is None:  # evaluate's config feeds no other stage
-        reran = {s for _, s, hit, _ in lines if not hit}
-        assert reran == {"evaluate"}, printed
-        assert all(not hit for _, s, hit, _ in lines if s == "evaluate")
-    else:
-        cut = next(i for i, (_, s, _, _) in enumerate(lines) if s == first_rerun)
-        assert all(hit for _, _, hit, _ in lines[:cut]), printed
-        assert not any(hit for _, _, hit, _ in lines[cut:]), printed
+    if reruns == "evaluate":  # evaluate's config feeds no other stage
+        assert [hit for _, _, hit, _ in lines] == [s != "evaluate" for _, s, _, _ in lines]
+    else:  # the changed stage, what depends on it, and their evaluations: nothing else
+        got = [hit for _, _, hit, _ in lines]
+        assert got == [o not in reruns for o in owners(lines)], printed
     old = {art_id for *_, art_id in tiny_flywheel.lines}
     new = {art_id for _, _, hit, art_id in lines if not hit}
     assert not new & old
     assert manifests(tiny_flywheel.root) - before == {
         m for m in manifests(tiny_flywheel.root) if m.rsplit("/", 1)[-1] in new
     }
+
+
+def test_no_training_or_selection_stage_reads_the_test_split(tiny_flywheel):
+    """Walk every artifact's lineage: the test tasks reach evaluate only."""
+    store = Store(str(tiny_flywheel.root / "store"), "tiny")
+    refs = {ref.id: ref for ref in store.list()}
+    test_ids = {
+        i for i, ref in refs.items() if ref.stage == "tasks" and ref.manifest["split"] == "test"
+    }
+    assert len(test_ids) == 1
+
+    def ancestors(art_id: str) -> set[str]:
+        found: set[str] = set()
+        todo = list(refs[art_id].inputs)
+        while todo:
+            current = todo.pop()
+            if current not in found:
+                found.add(current)
+                todo.extend(refs[current].inputs)
+        return found
+
+    for art_id, ref in refs.items():
+        if ref.stage == "evaluate":
+            assert test_ids <= set(ref.inputs), art_id  # reporting reads the test split
+        else:
+            assert not ancestors(art_id) & test_ids, f"{art_id} was made from the test split"
+    # and the val split does select checkpoints: the bootstrap SFT validated on it
+    sft = next(ref for ref in refs.values() if ref.stage == "sft")
+    val_ids = {
+        i for i, ref in refs.items() if ref.stage == "tasks" and ref.manifest["split"] == "val"
+    }
+    assert ancestors(sft.id) & (val_ids | {r.id for r in refs.values() if r.stage == "expert"})
 
 
 def test_stage_flow_force_writes_one_new_version_and_stops(tiny_flywheel, tmp_path):
@@ -91,7 +139,7 @@ def test_stage_flow_force_writes_one_new_version_and_stops(tiny_flywheel, tmp_pa
         new_id = stage_flow("sft", round=0, overrides=overrides, force=True)
     assert new_id == sft_id + ".2"
     lines = stage_lines(out.getvalue())
-    assert [s for _, s, _, _ in lines] == ["tasks", "expert", "init", "evaluate", "sft"]
+    assert [s for _, s, _, _ in lines] == BOOTSTRAP[:-1]
     assert all(hit for _, s, hit, _ in lines if s != "sft")
     assert lines[-1][2:] == (False, new_id)
     assert manifests(tmp_path) - before == {f"store/tiny/round-0/sft/{new_id}"}
@@ -110,8 +158,9 @@ def test_report_json(tiny_flywheel, capsys):
     assert isinstance(rows, list) and rows
     evaluations = [a for r, s, _, a in tiny_flywheel.lines if s == "evaluate"]
     assert [row["eval_id"] for row in rows] == evaluations
-    assert [(row["round"], row["policy"]) for row in rows][:2] == [(0, "init"), (0, "sft")]
-    assert [row["round"] for row in rows] == [0, 0, 1]
+    assert [(row["round"], row["policy"]) for row in rows] == [
+        (0, "init"), (0, "sft"), (1, "dpo"), (1, "sft_more"), (1, "rft"),
+    ]  # fmt: skip
     store = Store(str(tiny_flywheel.root / "store"), "tiny")
     for row in rows:
         assert row["env"] == "arith"
@@ -121,8 +170,18 @@ def test_report_json(tiny_flywheel, capsys):
         assert row["avg_reward"] == summary["arith/avg_reward"]
         assert row["checkpoint"] == store.get(row["eval_id"]).manifest["policy"]
         assert row["policy"] == store.get(row["checkpoint"]).stage
-    # the table form shows the same policies
+        p = row["success_rate"]
+        assert row["success_se"] == pytest.approx((p * (1 - p) / 8) ** 0.5)
+    dpo = rows[2]
+    assert dpo["gain_over_sft"]["over"] == "sft"
+    assert dpo["gain_over_sft"]["gain"] == pytest.approx(
+        dpo["success_rate"] - rows[1]["success_rate"]
+    )
+    best = max(rows[3:], key=lambda r: r["success_rate"])
+    assert dpo["gain_over_baselines"]["over"] == best["policy"]
+    # the table form shows the same policies, then the round's gains
     assert main(["report", "--config", str(path)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:4] == ["round", "policy", "env", "success_rate"]
-    assert len(table) == 2 + len(rows)
+    assert table[0].split()[:4] == ["round", "policy", "env", "success"]
+    assert [line.split()[1] for line in table[2 : 2 + len(rows)]] == [r["policy"] for r in rows]
+    assert "±" in table[2] and any(line.startswith("  round 1 dpo") for line in table)

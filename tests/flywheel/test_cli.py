@@ -27,9 +27,9 @@ def small_store(tmp_path):
     path = write_tiny_yaml(tmp_path)
     cfg = load_config(path)
     store = Store(cfg.run.store_root(), cfg.run.name)
-    tasks = stages.tasks.run(cfg, store)
-    expert = stages.expert.run(cfg, store, tasks)
-    return path, store, tasks, expert
+    tasks, val, test = stages.tasks.run(cfg, store)
+    expert = stages.expert.run(cfg, store, tasks, val)
+    return path, store, (tasks, val, test), expert
 
 
 def folders(root: Path) -> set[str]:
@@ -143,7 +143,7 @@ def test_missing_shard(small_store, capsys):
 
 
 def test_broken_manifest(small_store, capsys):
-    path, store, tasks, expert = small_store
+    path, store, (tasks, _, _), expert = small_store
     manifest = Path(expert.path) / "manifest.json"
     manifest.write_text(manifest.read_text()[:40])
     state = Path(store.base) / STATE_FILE
@@ -199,18 +199,18 @@ def test_manifest_schema_version_mismatch(small_store, capsys):
 
 
 def test_artifacts_ls_show_lineage(small_store, capsys):
-    path, store, tasks, expert = small_store
+    path, store, (tasks, val, test), expert = small_store
     rc, out, err = run_cli(capsys, "artifacts", "--config", str(path), "ls")
     assert rc == 0 and err == ""
     lines = out.splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 4
     # ordered by creation time, which has one-second resolution: look lines up by id
     by_id = {line.split()[4]: line for line in lines}
-    assert set(by_id) == {tasks.id, expert.id}
+    assert set(by_id) == {tasks.id, val.id, test.id, expert.id}
     assert by_id[tasks.id].split()[:4] == ["round", "0", "tasks", "tasks"]
-    assert "rows=32" in by_id[tasks.id]
+    assert "rows=24" in by_id[tasks.id] and "rows=8" in by_id[test.id]
     assert by_id[expert.id].split()[:4] == ["round", "0", "expert", "trajectories"]
-    assert "rows=24" in by_id[expert.id]
+    assert "rows=32" in by_id[expert.id]  # 24 train demonstrations + 8 val
     rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--stage", "expert")
     assert rc == 0 and out.splitlines() == [by_id[expert.id]]
     rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--round", "1")
@@ -223,7 +223,9 @@ def test_artifacts_ls_show_lineage(small_store, capsys):
     manifest_text, _, rows_text = out.partition("\n}\n")
     manifest = json.loads(manifest_text + "\n}")
     assert (
-        manifest["id"] == expert.id and manifest["rows"] == 24 and manifest["inputs"] == [tasks.id]
+        manifest["id"] == expert.id
+        and manifest["rows"] == 32
+        and manifest["inputs"] == [tasks.id, val.id]
     )
     assert len(rows_text.strip().splitlines()) == 3  # header + 2 rows
     assert "expert" in rows_text
@@ -231,10 +233,11 @@ def test_artifacts_ls_show_lineage(small_store, capsys):
     rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "lineage", expert.id)
     assert rc == 0
     lines = out.splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert lines[0].startswith(expert.id) and "[trajectories, round 0]" in lines[0]
     assert "arith/oracle_success=" in lines[0]
     assert lines[1].startswith("  " + tasks.id) and "[tasks, round 0]" in lines[1]
+    assert lines[2].startswith("  " + val.id)
 
 
 def test_config_fields_and_dump(tmp_path, capsys):

@@ -63,8 +63,41 @@ def test_every_field_has_help():
     assert missing == []
 
 
-def test_stage_inputs_isolate_sections():
-    a, b = load_config(None), load_config(None, ["evaluate.temperature=0.5"])
-    assert a.stage_inputs("sft") == b.stage_inputs("sft")
-    assert a.stage_inputs("explore") == b.stage_inputs("explore")
-    assert a.stage_inputs("evaluate") != b.stage_inputs("evaluate")
+def test_artifact_configs_isolate_sections():
+    """Each stage's artifact_config (next to its run) says what reruns it: a changed section
+    changes the id of the stages that read it and of no other."""
+    from flows.flywheel import STAGES
+    from flywheel.store import ArtifactRef
+
+    policy = ArtifactRef(id="sft-x", kind="checkpoints", stage="sft", round=0, path="", manifest={})
+    calls = {
+        "tasks": lambda m, c: [m.artifact_config(c, s) for s in ("train", "val", "test")],
+        "explore": lambda m, c: m.artifact_config(c, 1),
+        "evaluate": lambda m, c: m.artifact_config(c, policy),
+        "pareto": lambda m, c: [m.artifact_config(c, a) for a in ("pairs", "groups")],
+        "dpo": lambda m, c: m.artifact_config(c, 1),
+        "grpo": lambda m, c: m.artifact_config(c, 1),
+    }
+
+    def configs(overrides: list[str]) -> dict[str, object]:
+        cfg = load_config("configs/default.yaml", overrides)
+        return {
+            name: calls.get(name, lambda m, c: m.artifact_config(c))(module, cfg)
+            for name, module in STAGES.items()
+        }
+
+    base = configs([])
+    for override, changed in [
+        ("evaluate.temperature=0.5", {"evaluate"}),
+        ("sft.lr=0.001", {"sft"}),
+        ("sft_more.lr=0.001", {"sft_more"}),
+        ("rft.per_task=2", {"rft"}),
+        ("dpo.beta=[0.2]", {"dpo"}),
+        ("pareto.budget=7", {"pareto"}),
+        ("expert.n_tasks=5", {"expert"}),
+        ("envs.arith.n_val=9", {"tasks"}),
+        ("explore.temperature=0.7", {"explore"}),
+        ("model.tiny.hidden_size=64", {"init"}),
+    ]:
+        other = configs([override])
+        assert {n for n in base if base[n] != other[n]} == changed, override

@@ -158,8 +158,8 @@ def test_tracker_logs_to_a_real_mlflow_server(tiny_config, tmp_path):
     try:
         cfg = tiny_config
         store = Store(cfg.run.store_root(), cfg.run.name)
-        tasks = stages.tasks.run(cfg, store)
-        expert = stages.expert.run(cfg, store, tasks)
+        tasks, val, _ = stages.tasks.run(cfg, store)
+        expert = stages.expert.run(cfg, store, tasks, val)
         wait_healthy(url, proc, log)
 
         tracker = Tracker(url, EXPERIMENT)

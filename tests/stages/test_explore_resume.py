@@ -50,8 +50,8 @@ def prepare(root: Path):
     overrides = tiny_overrides(root, *SLOW)
     cfg = load_config(None, overrides)
     store = Store(cfg.run.store_root(), cfg.run.name)
-    tasks = stages.tasks.run(cfg, store)
-    init = stages.init.run(cfg, store, stages.expert.run(cfg, store, tasks))
+    tasks, val, _ = stages.tasks.run(cfg, store)
+    init = stages.init.run(cfg, store, stages.expert.run(cfg, store, tasks, val), tasks)
     return overrides, cfg, tasks, init
 
 

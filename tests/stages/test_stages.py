@@ -32,17 +32,18 @@ METRICS = (
     "efficiency",
     "reasoning_tokens",
 )
-N_TRAIN, N_TEST, K = 24, 8, 2
+N_TRAIN, N_VAL, N_TEST, K = 24, 8, 8, 2
 
 
 def run_chain(cfg, store):
-    refs = {"tasks": stages.tasks.run(cfg, store)}
-    refs["expert"] = stages.expert.run(cfg, store, refs["tasks"])
-    refs["init"] = stages.init.run(cfg, store, refs["expert"])
-    refs["eval_init"] = stages.evaluate.run(cfg, store, refs["init"], refs["tasks"], round=0)
+    train, val, test = stages.tasks.run(cfg, store)
+    refs = {"tasks": train, "val": val, "test": test}
+    refs["expert"] = stages.expert.run(cfg, store, train, val)
+    refs["init"] = stages.init.run(cfg, store, refs["expert"], train)
+    refs["eval_init"] = stages.evaluate.run(cfg, store, refs["init"], test, round=0)
     refs["sft"] = stages.sft.run(cfg, store, refs["init"], [refs["expert"]], round=0)
-    refs["eval_sft"] = stages.evaluate.run(cfg, store, refs["sft"], refs["tasks"], round=0)
-    refs["explore"] = stages.explore.run(cfg, store, refs["sft"], refs["tasks"], round=1)
+    refs["eval_sft"] = stages.evaluate.run(cfg, store, refs["sft"], test, round=0)
+    refs["explore"] = stages.explore.run(cfg, store, refs["sft"], train, round=1)
     return refs
 
 
@@ -60,6 +61,8 @@ def test_every_stage_writes_its_artifact_kind(chain):
     kinds = {name: ref.kind for name, ref in refs.items()}
     assert kinds == {
         "tasks": "tasks",
+        "val": "tasks",
+        "test": "tasks",
         "expert": "trajectories",
         "init": "checkpoints",
         "eval_init": "eval",
@@ -78,23 +81,28 @@ def test_every_stage_writes_its_artifact_kind(chain):
 
 def test_row_counts_and_lineage(chain):
     _, store, refs = chain
-    tasks = store.read(refs["tasks"])
-    assert tasks.num_rows == N_TRAIN + N_TEST
-    assert refs["tasks"].summary == {"arith/train_tasks": N_TRAIN, "arith/test_tasks": N_TEST}
+    for split, n in (("tasks", N_TRAIN), ("val", N_VAL), ("test", N_TEST)):
+        tasks = pl.from_arrow(store.read(refs[split]))
+        name = "train" if split == "tasks" else split
+        assert len(tasks) == n and set(tasks["split"]) == {name}
+        assert refs[split].summary == {f"arith/{name}_tasks": n}
+        assert refs[split].manifest["split"] == name
     expert = pl.from_arrow(store.read(refs["expert"]))
-    assert len(expert) == N_TRAIN
-    assert set(expert["source"]) == {"expert"} and set(expert["split"]) == {"train"}
-    assert refs["expert"].summary["arith/oracle_success"] == pytest.approx(expert["success"].mean())
+    assert len(expert) == N_TRAIN + N_VAL  # every train task has a demonstration by default
+    assert set(expert["source"]) == {"expert"}
+    assert expert["split"].value_counts().sort("split").rows() == [("train", N_TRAIN), ("val", N_VAL)]
+    train_rows = expert.filter(pl.col("split") == "train")
+    assert refs["expert"].summary["arith/oracle_success"] == pytest.approx(train_rows["success"].mean())
     for name in ("init", "sft"):
         assert store.read(refs[name]).num_rows == 1
     assert store.read(refs["eval_init"]).num_rows == N_TEST
     assert store.read(refs["eval_sft"]).num_rows == N_TEST
     assert store.read(refs["explore"]).num_rows == N_TRAIN * K
     # inputs are the artifact ids the stage read
-    assert refs["expert"].inputs == [refs["tasks"].id]
+    assert refs["expert"].inputs == [refs["tasks"].id, refs["val"].id]
     assert refs["sft"].inputs == [refs["init"].id, refs["expert"].id]
     assert refs["explore"].inputs == [refs["sft"].id, refs["tasks"].id]
-    assert refs["eval_sft"].inputs == [refs["sft"].id, refs["tasks"].id]
+    assert refs["eval_sft"].inputs == [refs["sft"].id, refs["test"].id]
     lineage = store.lineage(refs["explore"].id)
     assert [node["id"] for node in lineage["inputs"]] == [refs["sft"].id, refs["tasks"].id]
 
@@ -189,21 +197,21 @@ def test_second_call_is_a_cache_hit(chain):
 def test_force_writes_a_new_version_and_downstream_follows(tiny_config):
     cfg = tiny_config  # a store of its own: the new version must not leak into the chain's
     store = Store(cfg.run.store_root(), cfg.run.name)
-    tasks = stages.tasks.run(cfg, store)
-    expert = stages.expert.run(cfg, store, tasks)
+    tasks, val, _ = stages.tasks.run(cfg, store)
+    expert = stages.expert.run(cfg, store, tasks, val)
     fresh = Store(cfg.run.store_root(), cfg.run.name)
-    forced = stages.tasks.run(cfg, fresh, force=True)
+    forced, forced_val, forced_test = stages.tasks.run(cfg, fresh, force=True)
     assert forced.id == tasks.id + ".2"
-    assert fresh.committed == {forced.id}
+    assert fresh.committed == {forced.id, forced_val.id, forced_test.id}
     # same content, new version: later runs pick the newest, and what reads it reruns
     assert store.read(forced).equals(store.read(tasks))
-    assert stages.tasks.run(cfg, Store(cfg.run.store_root(), cfg.run.name)).id == forced.id
-    expert2 = stages.expert.run(cfg, fresh, forced)
+    assert stages.tasks.run(cfg, Store(cfg.run.store_root(), cfg.run.name))[0].id == forced.id
+    expert2 = stages.expert.run(cfg, fresh, forced, forced_val)
     assert expert2.id != expert.id and expert2.id in fresh.committed
-    assert expert2.inputs == [forced.id]
+    assert expert2.inputs == [forced.id, forced_val.id]
     # the old versions are still readable
     assert fresh.get(tasks.id).id == tasks.id
-    assert stages.expert.run(cfg, fresh, tasks, force=True).id == expert.id + ".2"
+    assert stages.expert.run(cfg, fresh, tasks, val, force=True).id == expert.id + ".2"
 
 
 def test_changed_stage_config_reruns_only_that_stage(chain, tmp_path):
@@ -216,7 +224,7 @@ def test_changed_stage_config_reruns_only_that_stage(chain, tmp_path):
     assert (
         stages.sft.run(changed, fresh, refs["init"], [refs["expert"]], round=0).id == refs["sft"].id
     )
-    ev = stages.evaluate.run(changed, fresh, refs["sft"], refs["tasks"], round=0)
+    ev = stages.evaluate.run(changed, fresh, refs["sft"], refs["test"], round=0)
     assert ev.id != refs["eval_sft"].id and fresh.committed == {ev.id}
     assert ev.manifest["config"]["evaluate"]["temperature"] == 0.5
 
@@ -236,24 +244,28 @@ def test_expert_resumed_after_a_crash_summarises_every_env(tmp_path, monkeypatch
         ),
     ]
     store = Store(cfg.run.store_root(), cfg.run.name)
-    tasks = stages.tasks.run(cfg, store)
+    tasks, val, _ = stages.tasks.run(cfg, store)
     real = stages.expert.expert_episodes
     calls = []
 
     def crash_on_second_env(suite, env_tasks):
         calls.append(suite.name)
-        if len(calls) == 2:
+        if len(calls) == 3:  # the second env's train split (each env runs train, then val)
             raise RuntimeError("killed")
         return real(suite, env_tasks)
 
     monkeypatch.setattr(stages.expert, "expert_episodes", crash_on_second_env)
     with pytest.raises(RuntimeError, match="killed"):
-        stages.expert.run(cfg, store, tasks)
+        stages.expert.run(cfg, store, tasks, val)
     monkeypatch.setattr(stages.expert, "expert_episodes", real)
-    ref = stages.expert.run(cfg, Store(cfg.run.store_root(), cfg.run.name), tasks)
-    # the first env's shard came from the crashed run and still counts in the summary
-    assert calls == ["arith", "arith2"]
-    assert ref.summary == {"arith/oracle_success": 1.0, "arith2/oracle_success": 1.0}
+    ref = stages.expert.run(cfg, Store(cfg.run.store_root(), cfg.run.name), tasks, val)
+    # the first env's shards came from the crashed run and still count in the summary
+    assert calls == ["arith", "arith", "arith2"]
+    assert ref.summary == {
+        "arith/oracle_success": 1.0, "arith2/oracle_success": 1.0,
+        "arith/train_demonstrations": N_TRAIN, "arith2/train_demonstrations": N_TRAIN,
+        "arith/val_demonstrations": N_VAL, "arith2/val_demonstrations": N_VAL,
+    }  # fmt: skip
 
 
 def test_explore_rounds_take_successive_windows_of_the_train_tasks(chain):

@@ -21,7 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flywheel.training import data, loop
-from flywheel.training.loop import TrainConfig, compute_ref_logps, deepspeed_config, train
+from flywheel.config import TrainSection
+from flywheel.training.loop import LossParams, TrainResult, compute_ref_logps, deepspeed_config
 from flywheel.training.losses import masked_ce, token_logprobs
 
 REPO = Path(__file__).resolve().parents[3]
@@ -62,12 +63,21 @@ def saved_params(out_dir: Path) -> torch.Tensor:
 
 
 CFG = dict(epochs=1, lr=1e-2, warmup_ratio=0.0, micro_batch_size=4, grad_accum=1, max_length=32)
+LOSS_KEYS = {"beta", "nll_weight", "clip", "kl_coef", "expert_weight"}
+LOSS_DEFAULTS = {"dpo": {"beta": 0.1}, "grpo": {"clip": 0.2}}
+
+
+def train(model, examples, *, loss: str, cfg: dict, **kw) -> TrainResult:
+    """loop.train with one dict of knobs: the training section's, and the loss's own."""
+    section = TrainSection(**{k: v for k, v in cfg.items() if k not in LOSS_KEYS})
+    params = LossParams(**LOSS_DEFAULTS.get(loss, {}) | {k: v for k, v in cfg.items() if k in LOSS_KEYS})
+    return loop.train(model, examples, loss=loss, cfg=section, params=params, **kw)  # type: ignore[arg-type]
 
 
 def test_sft_loss_falls_and_params_change(tmp_path: Path) -> None:
     model = tiny_model()
     before = params(model)
-    cfg = TrainConfig(**CFG | {"epochs": 4, "zero_stage": 2})
+    cfg = dict(**CFG | {"epochs": 4, "zero_stage": 2})
     result = train(model, counting(16), loss="sft", cfg=cfg, out_dir=tmp_path)
     losses = [r["loss"] for r in result.history]
     assert result.steps == 16 and len(losses) == 16  # 16 examples / 4 per batch * 4 epochs
@@ -83,7 +93,7 @@ def test_sft_loss_falls_and_params_change(tmp_path: Path) -> None:
 
 def test_grad_accum_and_short_last_step(tmp_path: Path) -> None:
     # 5 micro-batches per epoch with grad_accum 2: steps of 2, 2 and 1 micro-batches.
-    cfg = TrainConfig(
+    cfg = dict(
         **CFG | {"epochs": 2, "grad_accum": 2, "micro_batch_size": 2, "zero_stage": 0}
     )
     result = train(tiny_model(), counting(10), loss="sft", cfg=cfg, out_dir=tmp_path)
@@ -92,7 +102,7 @@ def test_grad_accum_and_short_last_step(tmp_path: Path) -> None:
 
 
 def test_lr_warmup_then_cosine(tmp_path: Path) -> None:
-    cfg = TrainConfig(**CFG | {"warmup_ratio": 0.25, "zero_stage": 1, "lr": 1.0})
+    cfg = dict(**CFG | {"warmup_ratio": 0.25, "zero_stage": 1, "lr": 1.0})
     result = train(tiny_model(), counting(32), loss="sft", cfg=cfg, out_dir=tmp_path)
     lrs = [r["lr"] for r in result.history]
     # 8 steps, warmup ceil(0.25*8) = 2: (0+1)/3, (1+1)/3, then 0.5*(1+cos(pi*k/6)) for k = 0..5.
@@ -105,7 +115,7 @@ def test_lr_warmup_then_cosine(tmp_path: Path) -> None:
 def test_zero3_trains_and_saves_gathered_weights(tmp_path: Path) -> None:
     model = tiny_model()
     before = params(model)
-    cfg = TrainConfig(**CFG | {"epochs": 2, "zero_stage": 3})
+    cfg = dict(**CFG | {"epochs": 2, "zero_stage": 3})
     result = train(model, counting(8), loss="sft", cfg=cfg, out_dir=tmp_path)
     assert result.steps == 4 and all(
         map(torch.isfinite, torch.tensor([r["loss"] for r in result.history]))
@@ -117,7 +127,7 @@ def test_zero3_trains_and_saves_gathered_weights(tmp_path: Path) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_templates_fill_auto_values(stage: int) -> None:
     path = REPO / "configs" / "deepspeed" / f"zero{stage}.json"
-    cfg = TrainConfig(
+    cfg = TrainSection(
         micro_batch_size=3,
         grad_accum=5,
         grad_clip=0.5,
@@ -130,13 +140,13 @@ def test_templates_fill_auto_values(stage: int) -> None:
     assert filled["zero_optimization"]["stage"] == stage and filled["bf16"] == {"enabled": False}
     with pytest.raises(ValueError, match="ZeRO stage"):
         deepspeed_config(
-            TrainConfig(zero_stage=1, deepspeed_config=str(path)), world_size=1, bf16=False
+            TrainSection(zero_stage=1, deepspeed_config=str(path)), world_size=1, bf16=False
         )
 
 
 def test_template_config_trains(tmp_path: Path) -> None:
     path = REPO / "configs" / "deepspeed" / "zero2.json"
-    cfg = TrainConfig(**CFG | {"zero_stage": 2, "deepspeed_config": str(path), "max_steps": 2})
+    cfg = dict(**CFG | {"zero_stage": 2, "deepspeed_config": str(path), "max_steps": 2})
     result = train(tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path)
     assert result.steps == 2
 
@@ -162,7 +172,7 @@ def pairs(n: int) -> list[dict]:
 def test_dpo_with_reference_model(tmp_path: Path) -> None:
     model = tiny_model()
     before = params(model)
-    cfg = TrainConfig(**CFG | {"epochs": 3, "zero_stage": 2, "beta": 0.5})
+    cfg = dict(**CFG | {"epochs": 3, "zero_stage": 2, "beta": 0.5})
     result = train(
         model, pairs(8), loss="dpo", cfg=cfg, out_dir=tmp_path, ref_model=copy.deepcopy(model)
     )
@@ -183,7 +193,7 @@ def test_dpo_with_precomputed_reference(tmp_path: Path) -> None:
         ex | {"ref_chosen_logp": c, "ref_rejected_logp": r}
         for ex, c, r in zip(examples, chosen, rejected, strict=True)
     ]
-    cfg = TrainConfig(**CFG | {"epochs": 2, "zero_stage": 2})
+    cfg = dict(**CFG | {"epochs": 2, "zero_stage": 2})
     result = train(model, examples, loss="dpo", cfg=cfg, out_dir=tmp_path)
     assert result.history[0]["loss"] == pytest.approx(0.693147, abs=1e-4)
     assert all(torch.isfinite(torch.tensor([r["loss"] for r in result.history])))
@@ -199,9 +209,9 @@ def test_dpo_nll_weight_adds_the_chosen_token_mean_nll() -> None:
         for ex, c, r in zip(examples, chosen, rejected, strict=True)
     ]
     batch = data.collate(examples, "dpo")
-    plain, _ = loop._batch_loss(model, batch, "dpo", TrainConfig(beta=0.5), None)
+    plain, _ = loop._batch_loss(model, batch, "dpo", LossParams(beta=0.5), None)
     mixed, stats = loop._batch_loss(
-        model, batch, "dpo", TrainConfig(beta=0.5, nll_weight=2.0), None
+        model, batch, "dpo", LossParams(beta=0.5, nll_weight=2.0), None
     )
     with torch.no_grad():
         logits = model(
@@ -215,7 +225,7 @@ def test_dpo_nll_weight_adds_the_chosen_token_mean_nll() -> None:
 
 
 def test_missing_reference_is_a_clear_error(tmp_path: Path) -> None:
-    model, cfg = tiny_model(), TrainConfig(**CFG)
+    model, cfg = tiny_model(), dict(**CFG)
     with pytest.raises(
         ValueError, match="dpo needs ref_chosen_logp on the examples or a ref_model"
     ):
@@ -226,7 +236,7 @@ def test_missing_reference_is_a_clear_error(tmp_path: Path) -> None:
         ex | {"old_logprobs": [0.0] * len(ex["input_ids"]), "advantage": 1.0} for ex in counting(2)
     ]
     with pytest.raises(ValueError, match="grpo needs ref_logprobs"):
-        train(model, grpo, loss="grpo", cfg=TrainConfig(**CFG | {"kl_coef": 0.1}), out_dir=tmp_path)
+        train(model, grpo, loss="grpo", cfg=dict(**CFG | {"kl_coef": 0.1}), out_dir=tmp_path)
 
 
 def rollouts(model: torch.nn.Module, n: int) -> list[dict]:
@@ -246,7 +256,7 @@ def rollouts(model: torch.nn.Module, n: int) -> list[dict]:
 def test_grpo_trains(tmp_path: Path) -> None:
     model = tiny_model()
     before = params(model)
-    cfg = TrainConfig(**CFG | {"epochs": 2, "zero_stage": 2, "kl_coef": 0.1, "lr": 1e-3})
+    cfg = dict(**CFG | {"epochs": 2, "zero_stage": 2, "kl_coef": 0.1, "lr": 1e-3})
     result = train(model, rollouts(model, 8), loss="grpo", cfg=cfg, out_dir=tmp_path)
     first = result.history[0]
     assert first["ratio"] == pytest.approx(1.0, abs=1e-4) and first["kl"] == pytest.approx(
@@ -266,7 +276,7 @@ def test_mix_batch_trains_expert_rows_by_nll_only(tmp_path: Path) -> None:
               "ref_logprobs": [0.0] * len(ex["input_ids"])}
         for ex in counting(2, seed=5)
     ]  # fmt: skip
-    cfg = TrainConfig(**CFG | {"expert_weight": 0.3})
+    cfg = LossParams(clip=0.2, expert_weight=0.3)
     batch = data.collate(policy_rows + expert_rows, "grpo")
     with torch.no_grad():
         value, stats = loop._batch_loss(model, batch, "grpo", cfg, None)
@@ -281,7 +291,7 @@ def test_mix_batch_trains_expert_rows_by_nll_only(tmp_path: Path) -> None:
     assert stats["expert_nll"].item() == pytest.approx(nll.item(), rel=1e-4)
     with pytest.raises(ValueError, match="expert rows but expert_weight is 0"):
         train(
-            model, policy_rows + expert_rows, loss="grpo", cfg=TrainConfig(**CFG), out_dir=tmp_path
+            model, policy_rows + expert_rows, loss="grpo", cfg=dict(**CFG), out_dir=tmp_path
         )
 
 
@@ -289,7 +299,7 @@ def test_mix_batch_trains_expert_rows_by_nll_only(tmp_path: Path) -> None:
 def test_resume_matches_uninterrupted_run(tmp_path: Path, stage: int) -> None:
     # 12 examples / 2 per batch = 6 batches, grad_accum 2 -> 3 steps per epoch, 2 epochs = 6 steps.
     # Checkpoints after steps 2 and 4 (the second one crosses an epoch boundary mid-way).
-    cfg = TrainConfig(
+    cfg = dict(
         **CFG
         | {
             "epochs": 2,
@@ -328,7 +338,7 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path, stage: int) -> None:
 
 
 def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
-    cfg = TrainConfig(**CFG | {"checkpoint_every": 1, "zero_stage": 0})
+    cfg = dict(**CFG | {"checkpoint_every": 1, "zero_stage": 0})
 
     def crash(record: dict) -> None:
         raise RuntimeError("stop")
@@ -340,7 +350,7 @@ def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
             tiny_model(),
             counting(8),
             loss="sft",
-            cfg=TrainConfig(**CFG | {"checkpoint_every": 1, "zero_stage": 0, "lr": 0.5}),
+            cfg=dict(**CFG | {"checkpoint_every": 1, "zero_stage": 0, "lr": 0.5}),
             out_dir=tmp_path,
         )
 
@@ -349,9 +359,10 @@ TWO_RANK_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from test_loop import tiny_model, counting, params
-from flywheel.training.loop import TrainConfig, train
+from flywheel.config import TrainSection
+from flywheel.training.loop import train
 model = tiny_model()
-cfg = TrainConfig(epochs=2, lr=1e-2, warmup_ratio=0.0, micro_batch_size=2, max_length=32, zero_stage=2)
+cfg = TrainSection(epochs=2, lr=1e-2, warmup_ratio=0.0, micro_batch_size=2, max_length=32, zero_stage=2)
 result = train(model, counting(9), loss="sft", cfg=cfg, out_dir={out!r})
 rank = torch.distributed.get_rank()
 torch.save({{"params": params(model), "steps": result.steps}}, {out!r} + f"/rank{{rank}}.pt")
@@ -378,3 +389,60 @@ def test_two_ranks_with_deepspeed_launcher(tmp_path: Path) -> None:
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
     assert torch.allclose(ranks[0]["params"], saved_params(out))
     print(f"2-rank launcher run: {time.perf_counter() - start:.1f} s")
+
+
+def test_early_stopping_keeps_the_best_validated_weights(tmp_path: Path) -> None:
+    # A hand-made validation curve at steps 0, 2, 4, ...: best at step 4, then three validations
+    # without improvement (steps 6, 8, 10) use up patience 3, so training stops after step 10.
+    curve = iter([0.1, 0.3, 0.5, 0.4, 0.45, 0.2, 0.9])
+    seen: dict[int, torch.Tensor] = {}
+
+    def validate(module: torch.nn.Module) -> dict[str, float]:
+        seen[2 * len(seen)] = params(module).clone()
+        score = next(curve)
+        return {"score": score, "val_made_up": score}
+
+    cfg = CFG | {"epochs": 50, "val_every": 2, "patience": 3}
+    result = train(
+        tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path, validate=validate
+    )
+    assert (result.steps, result.best_step, result.best_score) == (10, 4, 0.5)
+    assert result.stopped_early and result.stop_reason == "patience"
+    assert sorted(seen) == [0, 2, 4, 6, 8, 10]
+    assert torch.equal(saved_params(tmp_path), seen[4])  # the kept weights are step 4's
+    assert not torch.equal(seen[4], seen[10])
+    assert not (tmp_path / loop.BEST_DIR).exists()
+    validated = [h for h in result.history if "val_score" in h]
+    assert [h["step"] for h in validated] == [0, 2, 4, 6, 8, 10]
+    assert validated[2]["val_made_up"] == 0.5
+
+
+def test_min_delta_counts_small_gains_as_no_improvement(tmp_path: Path) -> None:
+    curve = iter([0.1, 0.15, 0.19, 0.5])
+    cfg = CFG | {"epochs": 50, "val_every": 1, "patience": 2, "min_delta": 0.1}
+    result = train(
+        tiny_model(), counting(8), loss="sft", cfg=cfg, out_dir=tmp_path,
+        validate=lambda m: {"score": next(curve)},
+    )  # fmt: skip
+    assert (result.steps, result.best_step, result.stop_reason) == (2, 0, "patience")
+
+
+def test_token_budget_stops_training(tmp_path: Path) -> None:
+    examples = counting(16)
+    result = train(
+        tiny_model(), examples, loss="sft", cfg=CFG | {"epochs": 10}, out_dir=tmp_path, max_tokens=100
+    )
+    per_step = [h["tokens"] for h in result.history]
+    assert result.stop_reason == "tokens" and result.tokens == sum(per_step)
+    assert sum(per_step[:-1]) < 100 <= result.tokens
+    assert result.steps < 10 * 4
+
+
+def test_validation_loss_is_the_token_mean_masked_ce() -> None:
+    model, examples = tiny_model(), counting(5)
+    got = loop.validation_loss(model, examples, batch_size=2, max_length=32)
+    batch = data.collate(examples, "sft")
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        want = masked_ce(logits, batch["input_ids"], batch["loss_mask"]).item()
+    assert got == pytest.approx(want, rel=1e-4)

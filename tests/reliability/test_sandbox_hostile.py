@@ -33,40 +33,47 @@ def in_subinterpreter(inner: str) -> str:
     return SUBINTERP.format(inner=inner)
 
 
-def _uid_processes(uid: int) -> list[int]:
-    """Processes (not zombies) whose real uid is ``uid``."""
+def _sandboxed_processes(server: int) -> list[int]:
+    """Live processes of the sandbox user in our fork server's network namespace.
+
+    Every call inherits that namespace and no call can leave it (no CAP_SYS_ADMIN, no setns),
+    so an escaped process would still be found here; other fork servers on the machine (other
+    test runs) have namespaces of their own.
+    """
+    netns = os.readlink(f"/proc/{server}/ns/net")
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             status = (entry / "status").read_text()
+            same_net = os.readlink(entry / "ns" / "net") == netns
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if fields["State"].split()[0] != "Z" and int(fields["Uid"].split()[0]) == uid:
+        uid = int(fields["Uid"].split()[0])
+        if same_net and uid == NOBODY and fields["State"].split()[0] != "Z":
             found.append(int(entry.name))
     return found
 
 
-def _sandbox_dirs() -> set[str]:
-    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("flywheel-sandbox-")}
-
-
 @pytest.fixture(autouse=True)
-def nothing_outlives_a_call() -> Iterator[None]:
+def nothing_outlives_a_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """After every case: no process of the sandbox user, no private directory left."""
-    assert runner._fork_server.pid() is not None, runner._fork_server.start_error
-    before, dirs = set(_uid_processes(NOBODY)), _sandbox_dirs()
+    server = runner._fork_server.pid()
+    assert server is not None, runner._fork_server.start_error
+    private_dirs = tmp_path / "private"
+    private_dirs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_dirs))  # where run_python makes them
     yield
-    assert set(_uid_processes(NOBODY)) <= before, "a sandboxed process outlived its call"
-    assert _sandbox_dirs() <= dirs, "a private directory outlived its call"
+    assert _sandboxed_processes(server) == [], "a sandboxed process outlived its call"
+    assert list(private_dirs.iterdir()) == [], "a private directory outlived its call"
 
 
 @pytest.fixture
 def outside() -> Iterator[Path]:
     """A world-writable directory outside the sandbox, as /tmp or /var/tmp are."""
-    path = Path(tempfile.mkdtemp(prefix="hostile-"))
+    path = Path(tempfile.mkdtemp(prefix="hostile-", dir="/var/tmp"))
     path.chmod(0o777)
     yield path
     shutil.rmtree(path)

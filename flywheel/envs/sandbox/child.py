@@ -129,7 +129,7 @@ def lock_down(call: Call, out: int, err: int) -> None:
     kernel.drop_privileges(nobody, nobody)
     kernel.set_no_new_privs()
     everything = kernel.landlock_fs_rights(kernel.landlock_abi()) & ~kernel.FS_EXECUTE
-    rules = [(call.root, everything)]
+    rules = [(".", everything)]  # the private directory, our cwd: its parents may be closed to us
     rules += [(p, kernel.FS_READ) for p in (*call.read_paths, *SYSTEM_READ, *DEVICES)]
     kernel.landlock_restrict(rules)
     if seccomp.supported():

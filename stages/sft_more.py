@@ -81,7 +81,7 @@ def run(
     # Enough epochs to reach the budget; the budget, not the epochs, ends the training.
     if sc.match == "tokens":
         per_epoch = sum(min(len(ex["input_ids"]), sc.max_length) for ex in examples)
-        section = sc.model_copy(update={"epochs": max(1, math.ceil(target / per_epoch))})
+        section = sc.model_copy(update={"epochs": math.ceil(target / per_epoch) + 1})
         max_tokens: int | None = target
     else:
         batches = math.ceil(len(examples) / sc.micro_batch_size)

@@ -216,6 +216,8 @@ def train(
         if log is not None:
             log(record)
 
+    if reason == "steps" and max_tokens is not None and st.tokens >= max_tokens:
+        reason = "tokens"  # the budget ran out on the last step
     if validating:
         if rank == 0:
             print(

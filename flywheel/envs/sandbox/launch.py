@@ -143,7 +143,11 @@ def spawn_one(argv: list[str]) -> None:
     code = sys.stdin.read()
     tmp, *limits = argv
     read_paths = library_paths()
-    launcher = Launcher(read_paths, isolate(read_paths))
+    try:
+        launcher = Launcher(read_paths, isolate(read_paths))
+    except OSError as e:  # no root, no user namespaces: refuse rather than run with less
+        os.write(2, f"\nsandbox setup failed: cannot isolate the sandbox: {e}\n".encode())
+        os._exit(1)
     numbers = [int(x) for x in limits]
     req = (0, code, tmp, *numbers[:4], 0, numbers[4])
     status_r, status_w = os.pipe()

@@ -13,6 +13,7 @@ its subclasses and the training loop takes it as it is.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,8 +25,38 @@ class ConfigError(ValueError):
     """A config file or override is wrong; the message is one line naming the key."""
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A mapping repeats a key; plain YAML keeps the last one silently."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # '<<: *anchor' merges; keys after it override by design
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(
+                        problem=f"duplicate key {key!r}", problem_mark=key_node.start_mark
+                    )
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class says so
+                pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are refused for every float (a temperature of inf samples uniformly)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
@@ -55,20 +86,51 @@ class RunConfig(Section):
         description="Print a progress line every this many training steps (0: about 20 lines per run).",
     )
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        # the name is a folder under the store: '../x' or 'a/b' would write outside it
+        if not _PLAIN_NAME.fullmatch(name) or ".." in name:
+            raise ValueError(
+                f"must be a plain name (letters, digits, '_', '-', '.'; no '/' or '..'), got {name!r}"
+            )
+        return name
+
+    @field_validator("work_dir", "store")
+    @classmethod
+    def _not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
     def store_root(self) -> str:
         return self.store or str(Path(self.work_dir) / "store")
 
 
 class TinyModelConfig(Section):
     hidden_size: int = Field(
-        default=128, description="Width of the embedded Llama-architecture policy."
+        default=128, ge=1, description="Width of the embedded Llama-architecture policy."
     )
-    num_layers: int = Field(default=4, description="Transformer layers of the embedded policy.")
-    num_heads: int = Field(default=4, description="Attention heads of the embedded policy.")
-    intermediate_size: int = Field(default=384, description="MLP width of the embedded policy.")
+    num_layers: int = Field(
+        default=4, ge=1, description="Transformer layers of the embedded policy."
+    )
+    num_heads: int = Field(default=4, ge=1, description="Attention heads of the embedded policy.")
+    intermediate_size: int = Field(
+        default=384, ge=1, description="MLP width of the embedded policy."
+    )
     max_position_embeddings: int = Field(
-        default=1024, description="Longest sequence the embedded policy accepts."
+        default=1024, ge=8, description="Longest sequence the embedded policy accepts."
     )
+
+    @model_validator(mode="after")
+    def _head_dim(self) -> TinyModelConfig:
+        # rotary embeddings rotate pairs of channels: each head needs an even width
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) "
+                "times an even head width"
+            )
+        return self
 
 
 class ModelConfig(Section):
@@ -405,6 +467,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy to start from.")
     envs: list[EnvConfig] = Field(
         default_factory=lambda: [EnvConfig(name="arith")],
+        min_length=1,
         description="Environments trained and evaluated on.",
     )
     engine: EngineConfig = Field(
@@ -516,29 +579,46 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"config override {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
+    except DuplicateKeyError as err:
+        raise ConfigError(f"config override {key}: {err.problem}") from None
     except yaml.YAMLError:
         value = raw
     return key, value
 
 
-def _format_error(err: ValidationError) -> str:
+def _format_error(err: ValidationError, data: dict[str, Any] | None = None) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    parts = list(first["loc"])
+    envs = (data or {}).get("envs")
+    if (
+        len(parts) > 1
+        and parts[0] == "envs"
+        and isinstance(parts[1], int)
+        and isinstance(envs, list)
+    ):
+        entry = envs[parts[1]] if parts[1] < len(envs) else None
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            parts[1] = entry["name"]  # envs.arith.n_train, as overrides address it
+    loc = ".".join(str(p) for p in parts) or "<root>"
     kind = first["type"]
     if kind == "extra_forbidden":
         return f"config error: unknown key {loc}"
     if kind == "missing":
         return f"config error: missing required key {loc}"
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"config error: {loc}: {first['msg']}{more}"
+    msg = first["msg"].removeprefix("Value error, ")
+    value = first.get("input")
+    if not isinstance(value, (dict, list, BaseModel)) and "got " not in msg:
+        msg += f", got {value!r}"
+    return f"config error: {loc}: {msg}{more}"
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(_format_error(err, data)) from None
 
 
 def load_config(
@@ -551,11 +631,16 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config error: no such file {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = _load_yaml(path.read_text())
+        except DuplicateKeyError as err:
+            line = err.problem_mark.line + 1 if err.problem_mark else 0
+            raise ConfigError(f"config error: {path} line {line}: {err.problem}") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
             raise ConfigError(f"config error: {path}{where} is not valid YAML") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config error: cannot read {path}: {err}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config error: {path} must hold a mapping at the top level")
         data = loaded or {}

@@ -7,6 +7,9 @@ import importlib
 import json
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
+from flywheel.config import ConfigError
 from flywheel.envs.base import Env, EnvSuite, Task
 
 # Built-in suites, by name. A user's suite is named by its dotted path in the config instead.
@@ -25,10 +28,25 @@ def make_suite(env_cfg: Any) -> EnvSuite:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"env {env_cfg.name!r}: cannot import {target!r} ({err})") from None
+    where = f"envs.{env_cfg.name}.options"
+    options = dict(env_cfg.options)
     try:
-        suite = cls(**env_cfg.options)
-    except TypeError as err:
-        raise ValueError(f"env {env_cfg.name!r}: bad options {env_cfg.options} ({err})") from None
+        # A suite may declare its options as a pydantic model (``Options``): checked first, so
+        # an unknown or out-of-range option is named before any work starts.
+        if isinstance(getattr(cls, "Options", None), type) and issubclass(cls.Options, BaseModel):
+            cls.Options.model_validate(options)
+        suite = cls(**options)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise ConfigError(f"config error: unknown option {where}.{key}") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        got = "" if "got " in msg else f", got {first.get('input')!r}"
+        raise ConfigError(f"config error: {where}.{key}: {msg}{got}") from None
+    except (TypeError, ValueError) as err:
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"config error: {where}: {msg}") from None
     suite.name = env_cfg.name
     return suite
 

@@ -25,6 +25,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from flywheel.envs.base import Task
 from flywheel.envs.sandbox import run_python
 
@@ -250,6 +252,37 @@ def _draw(
     return " ".join(sentences), steps
 
 
+class ArithOptions(BaseModel):
+    """The options of ``envs.<name>.options`` for arith, checked before any work starts."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    difficulty_weights: tuple[float, float, float] = Field(
+        default=(1.0, 1.0, 1.0), description="Relative frequency of difficulty 1, 2 and 3."
+    )
+    max_distractors: int = Field(default=2, ge=0, description="Distractor sentences at most.")
+    max_value: int = Field(
+        default=MAX_VALUE, ge=50, le=MAX_VALUE, description="Largest number in a task."
+    )
+    timeout_s: float = Field(
+        default=2.0, gt=0, le=3600, description="Wall-clock seconds per tool call."
+    )
+    cpu_s: int = Field(default=1, ge=1, le=3600, description="CPU seconds per tool call.")
+    memory_mb: int = Field(
+        default=256, ge=32, le=1 << 20, description="Address space of a tool call, in MiB."
+    )
+    max_output_chars: int = Field(
+        default=500, ge=1, description="Tool output kept for the observation."
+    )
+
+    @field_validator("difficulty_weights")
+    @classmethod
+    def _weights(cls, weights: tuple[float, float, float]) -> tuple[float, float, float]:
+        if min(weights) < 0 or not sum(weights):
+            raise ValueError(f"needs 3 weights >= 0, not all 0, got {list(weights)}")
+        return weights
+
+
 class ArithSuite:
     """Task generator, oracle and episode factory of the ``arith`` environment.
 
@@ -262,6 +295,7 @@ class ArithSuite:
 
     name = "arith"
     instruction = INSTRUCTION
+    Options = ArithOptions  # make_suite checks envs.<name>.options against it
 
     def __init__(
         self,
@@ -273,23 +307,21 @@ class ArithSuite:
         memory_mb: int = 256,
         max_output_chars: int = 500,
     ) -> None:
-        if not 50 <= max_value <= MAX_VALUE:
-            raise ValueError(f"max_value must be in 50..{MAX_VALUE}, got {max_value}")
-        if (
-            len(difficulty_weights) != 3
-            or min(difficulty_weights) < 0
-            or not sum(difficulty_weights)
-        ):
-            raise ValueError(f"difficulty_weights needs 3 weights >= 0, got {difficulty_weights}")
-        self.difficulty_weights = tuple(float(w) for w in difficulty_weights)
-        self.max_distractors = max_distractors
-        self.max_value = max_value
-        self.limits: dict[str, Any] = {
-            "timeout_s": timeout_s,
-            "cpu_s": cpu_s,
-            "memory_mb": memory_mb,
-            "max_output_chars": max_output_chars,
-        }
+        opts = ArithOptions(
+            difficulty_weights=tuple(difficulty_weights),  # type: ignore[arg-type]
+            max_distractors=max_distractors,
+            max_value=max_value,
+            timeout_s=timeout_s,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            max_output_chars=max_output_chars,
+        )  # a pydantic ValidationError (a ValueError) names the bad argument
+        self.difficulty_weights = opts.difficulty_weights
+        self.max_distractors = opts.max_distractors
+        self.max_value = opts.max_value
+        self.limits: dict[str, Any] = opts.model_dump(
+            include={"timeout_s", "cpu_s", "memory_mb", "max_output_chars"}
+        )
 
     def tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """``n`` distinct tasks of ``split`` (train, val or test); a prefix of a longer call."""

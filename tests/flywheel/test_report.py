@@ -1,0 +1,48 @@
+"""flywheel.report: binomial standard errors and the gains of the rounds over the SFT policy and
+the best baseline, worked by hand."""
+
+import math
+
+import pytest
+
+from flywheel.report import add_gains, format_table, standard_error
+
+
+def row(round_: int, policy: str, p: float, n: int = 1000) -> dict:
+    return {
+        "round": round_, "policy": policy, "env": "arith", "success_rate": p, "n_tasks": n,
+        "success_se": standard_error(p, n),
+    }  # fmt: skip
+
+
+def test_standard_error_by_hand():
+    assert standard_error(0.5, 400) == pytest.approx(0.025)  # sqrt(.25 / 400)
+    assert standard_error(0.0, 10) == 0.0
+    assert math.isnan(standard_error(0.5, 0))
+
+
+def test_gains_over_sft_and_the_best_baseline():
+    rows = [
+        row(0, "sft", 0.30),
+        row(1, "dpo", 0.36),
+        row(2, "dpo", 0.33),
+        row(2, "sft_more", 0.31),
+        row(2, "rft", 0.32),
+    ]
+    add_gains(rows)
+    r1, r2 = rows[1], rows[2]
+    # se of a difference: sqrt(se_a^2 + se_b^2); at p=.36 and .30, n=1000: 0.0152 and 0.0145
+    se = math.sqrt(0.36 * 0.64 / 1000 + 0.30 * 0.70 / 1000)
+    assert r1["gain_over_sft"]["gain"] == pytest.approx(0.06)
+    assert r1["gain_over_sft"]["se"] == pytest.approx(se)
+    assert r1["gain_over_sft"]["significant"] is True  # 0.06 > 2 * 0.0210
+    assert r1["gain_over_baselines"]["over"] == "rft"  # the better baseline
+    assert r2["gain_over_baselines"]["gain"] == pytest.approx(0.01)
+    assert r2["gain_over_baselines"]["significant"] is False
+    for baseline in rows[3:]:
+        assert "gain_over_sft" not in baseline and "gain_over_baselines" not in baseline
+    assert "gain_over_sft" not in rows[0]
+    text = format_table(rows)
+    assert "36.0% ± 1.5" in text
+    assert "round 1 dpo   arith    vs sft       +6.0 ± 2.1*" in text
+    assert "vs rft       +1.0 ± 2.1 " in text  # round 2: within noise, no mark

@@ -11,6 +11,21 @@ Writes are atomic. Everything goes to a sibling ``.tmp-<id>`` folder; each shard
 last and the folder renamed into place. A reader only sees folders with a manifest. After a
 crash the next run reopens the same ``.tmp-<id>`` folder and keeps its finished shards.
 
+What a commit takes from the ``.tmp-<id>`` folder: only shards that prove they belong there.
+Each shard's Parquet footer names the artifact id and the shard index it was written for; a
+shard counts as finished (``has_shard``, ``finished_shards``) and is committed only when its
+footer reads, names this id and its own index, and its schema matches the contract. Anything
+else there (``.part`` files, a shard of another artifact or index, an unreadable shard, one from
+before footers were stamped) is not finished, so the stage writes it again, and is deleted at
+commit. As for a cache hit, the id is the identity of the content: a finished shard of the same
+id from a crashed run is kept even if the code changed since (use ``force`` after a change that
+alters results without changing the config).
+
+A folder that holds no manifest (an interrupted commit on an object store, a deleted manifest)
+is no artifact: readers skip it, ``scan`` reports it, and the next commit of that id replaces
+it. A corrupted manifest is an error for every reader; ``writer(..., force=True)`` replaces
+the artifact in place.
+
 The root is a local path or any fsspec URL (``s3://``, ``gs://``, ``memory://``).
 
     store = Store("work/store", run="default")
@@ -30,6 +45,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -46,6 +62,11 @@ import pyarrow.parquet as pq
 from data_contracts import CONTRACTS, Contract, SchemaError, table_from_rows, validate_table
 
 MANIFEST = "manifest.json"
+# Run names, stage names and artifact ids are single folder names: no '/', no glob characters.
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_SHARD = re.compile(r"part-(\d{5})\.parquet")
+# Footer keys that tie a shard to the artifact and index it was written for.
+_ARTIFACT_KEY, _SHARD_KEY = b"flywheel.artifact", b"flywheel.shard"
 
 
 class ArtifactError(RuntimeError):
@@ -96,8 +117,19 @@ def code_version() -> str:
     return f"{__version__}+{sha}" if sha else __version__
 
 
+def check_plain(what: str, name: str) -> str:
+    """``name`` if it is one plain folder name, else a one-line ArtifactError."""
+    if not _PLAIN.fullmatch(name) or ".." in name:
+        raise ArtifactError(
+            f"{what + ' ' if what else ''}{name!r} is not a plain name (letters, digits, '_', '-', '.'; "
+            "no '/', '..' or glob characters)"
+        )
+    return name
+
+
 class Store:
     def __init__(self, root: str, run: str = "default"):
+        check_plain("run name", run)
         self.root_url = root
         self.run = run
         self.fs, base = fsspec.core.url_to_fs(root)
@@ -124,29 +156,43 @@ class Store:
         force: bool = False,
     ) -> ArtifactWriter:
         contract = _contract(kind)
+        check_plain("stage", stage)
         digest = config_hash(stage, config, inputs, contract.version)
         base_id = f"{stage}-{digest}"
-        latest = self._latest(round, stage, base_id)
-        if latest is not None and not force:
+        newest = self._newest(round, stage, base_id)
+        if newest is None:
+            return ArtifactWriter(self, contract, stage, round, base_id, config, inputs)
+        try:
+            latest = self._load(newest)
+        except ArtifactError as err:
+            if not force:
+                raise ArtifactError(f"{err} (force a new version to replace it)") from None
+            # Unreadable, so nothing can depend on it: the new version takes its place.
+            art_id = newest.rsplit("/", 1)[-1]
+            return ArtifactWriter(self, contract, stage, round, art_id, config, inputs)
+        if not force:
             return ArtifactWriter(
                 self, contract, stage, round, latest.id, config, inputs, cached=latest
             )
-        version = 1 if latest is None else _version(latest.id) + 1
-        art_id = base_id if version == 1 else f"{base_id}.{version}"
+        art_id = f"{base_id}.{_version(newest.rsplit('/', 1)[-1]) + 1}"
         return ArtifactWriter(self, contract, stage, round, art_id, config, inputs)
 
     # -- reading -------------------------------------------------------------------------------
-    def _latest(self, round: int, stage: str, base_id: str) -> ArtifactRef | None:
+    def _newest(self, round: int, stage: str, base_id: str) -> str | None:
+        """The folder of the newest version of ``base_id`` that holds a manifest (by folder
+        name, so that a corrupted manifest does not hide which version it is)."""
         stage_dir = self._stage_dir(round, stage)
-        best: ArtifactRef | None = None
+        best: tuple[int, str] | None = None
         for path in self.fs.glob(f"{stage_dir}/{base_id}*/{MANIFEST}"):
-            folder = path.rsplit("/", 2)[-2]
-            if folder != base_id and not folder.startswith(base_id + "."):
+            folder = path.rsplit("/", 1)[0]
+            name = folder.rsplit("/", 1)[-1]
+            if name != base_id and not (
+                name.startswith(base_id + ".") and name[len(base_id) + 1 :].isdigit()
+            ):
                 continue
-            ref = self._load(path.rsplit("/", 1)[0])
-            if best is None or _version(ref.id) > _version(best.id):
-                best = ref
-        return best
+            if best is None or _version(name) > best[0]:
+                best = (_version(name), folder)
+        return None if best is None else best[1]
 
     def _load(self, folder: str) -> ArtifactRef:
         path = f"{folder}/{MANIFEST}"
@@ -166,20 +212,54 @@ class Store:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise ArtifactError(f"corrupted manifest {self._url(path)}: {err}") from None
 
-    def list(self, round: int | None = None, stage: str | None = None) -> list[ArtifactRef]:
+    def _pattern(self, round: int | None, stage: str | None) -> str:
+        if round is not None and round < 0:
+            raise ArtifactError(f"round must be >= 0, got {round}")
         r = "*" if round is None else str(round)
-        s = stage or "*"
-        refs = [
-            self._load(p.rsplit("/", 1)[0])
-            for p in self.fs.glob(f"{self.base}/round-{r}/{s}/*/{MANIFEST}")
-        ]
+        s = "*" if stage is None else check_plain("stage", stage)
+        return f"{self.base}/round-{r}/{s}"
+
+    def list(self, round: int | None = None, stage: str | None = None) -> list[ArtifactRef]:
+        """Every artifact (oldest first); a corrupted manifest is an error, a folder without
+        one is skipped (``scan`` reports both)."""
+        pattern = self._pattern(round, stage)
+        refs = [self._load(p.rsplit("/", 1)[0]) for p in self.fs.glob(f"{pattern}/*/{MANIFEST}")]
         return sorted(refs, key=lambda ref: (ref.round, ref.manifest.get("created", ""), ref.id))
+
+    def scan(
+        self, round: int | None = None, stage: str | None = None
+    ) -> tuple[builtins.list[ArtifactRef], builtins.list[str]]:
+        """Every artifact that reads, and a one-line problem for every artifact folder that
+        does not (no manifest, or a corrupted one). Unfinished writes (``.tmp-*``) are not
+        artifacts yet and are left out."""
+        refs, problems = [], []
+        for folder in sorted(self.fs.glob(f"{self._pattern(round, stage)}/*")):
+            if folder.rsplit("/", 1)[-1].startswith(".") or not self.fs.isdir(folder):
+                continue
+            if not self.fs.exists(f"{folder}/{MANIFEST}"):
+                problems.append(
+                    f"incomplete artifact {self._url(folder)}: no {MANIFEST} "
+                    "(an interrupted commit; rerunning its stage replaces it)"
+                )
+                continue
+            try:
+                refs.append(self._load(folder))
+            except ArtifactError as err:
+                problems.append(str(err))
+        refs.sort(key=lambda ref: (ref.round, ref.manifest.get("created", ""), ref.id))
+        return refs, problems
 
     def get(self, artifact_id: str) -> ArtifactRef:
         """Find an artifact by id anywhere in this run."""
+        check_plain("artifact id", artifact_id)
         stage = artifact_id.split("-", 1)[0]
         hits = self.fs.glob(f"{self.base}/round-*/{stage}/{artifact_id}/{MANIFEST}")
         if not hits:
+            folders = self.fs.glob(f"{self.base}/round-*/{stage}/{artifact_id}")
+            if folders:
+                raise ArtifactError(
+                    f"artifact {artifact_id} is incomplete: {self._url(folders[0])} has no {MANIFEST}"
+                )
             raise ArtifactError(f"no artifact {artifact_id} in {self.root_url}/{self.run}")
         return self._load(hits[0].rsplit("/", 1)[0])
 
@@ -213,6 +293,7 @@ class Store:
                 raise ArtifactError(
                     f"corrupted shard {self._url(path)}: {str(err).splitlines()[0]}"
                 ) from None
+            table = table.replace_schema_metadata(contract.schema.metadata)  # drop the stamp
             tables.append(validate_table(contract, table, self._url(path)))
         if not tables:
             return contract.schema.empty_table()
@@ -235,16 +316,22 @@ class Store:
             tmp.rename(cache_dir)
         return cache_dir
 
-    def lineage(self, artifact_id: str) -> dict[str, Any]:
+    def lineage(self, artifact_id: str, _path: tuple[str, ...] = ()) -> dict[str, Any]:
         """The artifact and, recursively, everything it was made from."""
+        if artifact_id in _path:
+            cycle = " -> ".join((*_path[_path.index(artifact_id) :], artifact_id))
+            raise ArtifactError(f"lineage cycle: {cycle} (a manifest's inputs were edited)")
         ref = self.get(artifact_id)
+        inputs = ref.inputs
+        if not isinstance(inputs, builtins.list) or not all(isinstance(i, str) for i in inputs):
+            raise ArtifactError(f"corrupted manifest of {ref.id}: inputs is not a list of ids")
         return {
             "id": ref.id,
             "kind": ref.kind,
             "stage": ref.stage,
             "round": ref.round,
             "summary": ref.summary,
-            "inputs": [self.lineage(i) for i in ref.inputs],
+            "inputs": [self.lineage(i, (*_path, artifact_id)) for i in inputs],
         }
 
 
@@ -274,6 +361,7 @@ class ArtifactWriter:
         self.final_dir = f"{stage_dir}/{art_id}"
         self.tmp_dir = f"{stage_dir}/.tmp-{art_id}"
         self._local_tmp: Path | None = None
+        self._rows: dict[int, int] = {}  # finished shards known to belong here -> rows
         if cached is None:
             store.fs.makedirs(self.tmp_dir, exist_ok=True)
 
@@ -288,15 +376,36 @@ class ArtifactWriter:
         return f"part-{index:05d}.parquet"
 
     def has_shard(self, index: int) -> bool:
-        return self.store.fs.exists(f"{self.tmp_dir}/{self.shard_name(index)}")
+        """Whether shard ``index`` is finished: written by this writer, or left by a crashed
+        run of this artifact and verified (module docstring)."""
+        return index in self._rows or self._verify(index)
 
     def finished_shards(self) -> list[int]:
-        names = self.store.fs.ls(self.tmp_dir, detail=False)
-        return sorted(
-            int(n.rsplit("/", 1)[-1][5:10])
-            for n in names
-            if n.endswith(".parquet") and "part-" in n
-        )
+        return sorted(i for i in self._shards_on_disk() if self.has_shard(i))
+
+    def _shards_on_disk(self) -> list[int]:
+        names = (n.rsplit("/", 1)[-1] for n in self.store.fs.ls(self.tmp_dir, detail=False))
+        return sorted(int(m[1]) for m in map(_SHARD.fullmatch, names) if m)
+
+    def _verify(self, index: int) -> bool:
+        """Read shard ``index``'s footer: it must name this artifact and this index, and its
+        schema must match the contract."""
+        path = f"{self.tmp_dir}/{self.shard_name(index)}"
+        try:
+            with self.store.fs.open(path, "rb") as fh:
+                footer = pq.ParquetFile(fh)
+                meta = footer.schema_arrow.metadata or {}
+                rows = footer.metadata.num_rows
+                validate_table(self.contract, footer.schema_arrow.empty_table(), path)
+        except (OSError, pa.ArrowException, SchemaError):
+            return False  # absent, unreadable or of another shape: written again
+        if (
+            meta.get(_ARTIFACT_KEY) != self.id.encode()
+            or meta.get(_SHARD_KEY) != str(index).encode()
+        ):
+            return False
+        self._rows[index] = rows
+        return True
 
     def write_shard(self, index: int, rows: list[dict[str, Any]] | pa.Table) -> int:
         """Validate and write one shard atomically; returns its row count."""
@@ -306,6 +415,8 @@ class ArtifactWriter:
             table = validate_table(self.contract, rows, where)
         else:
             table = table_from_rows(self.contract, rows, where)
+        stamp = {_ARTIFACT_KEY: self.id.encode(), _SHARD_KEY: str(index).encode()}
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **stamp})
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
         fs = self.store.fs
@@ -313,6 +424,7 @@ class ArtifactWriter:
         with fs.open(part, "wb") as fh:
             fh.write(buf.getvalue())
         fs.mv(part, f"{self.tmp_dir}/{name}")
+        self._rows[index] = table.num_rows
         return table.num_rows
 
     def read_shards(self) -> pa.Table:
@@ -320,7 +432,8 @@ class ArtifactWriter:
         tables = []
         for i in self.finished_shards():
             with self.store.fs.open(f"{self.tmp_dir}/{self.shard_name(i)}", "rb") as fh:
-                tables.append(validate_table(self.contract, pq.read_table(fh), self.shard_name(i)))
+                table = pq.read_table(fh).replace_schema_metadata(self.contract.schema.metadata)
+                tables.append(validate_table(self.contract, table, self.shard_name(i)))
         return pa.concat_tables(tables) if tables else self.contract.schema.empty_table()
 
     def local_dir(self) -> Path:
@@ -338,11 +451,16 @@ class ArtifactWriter:
         if self._local_tmp is not None:
             fs.put(str(self._local_tmp) + "/", self.tmp_dir + "/", recursive=True)
             shutil.rmtree(self._local_tmp, ignore_errors=True)
-        shards = [self.shard_name(i) for i in self.finished_shards()]
-        rows = 0
-        for name in shards:
-            with fs.open(f"{self.tmp_dir}/{name}", "rb") as fh:
-                rows += pq.ParquetFile(fh).metadata.num_rows
+        finished = self.finished_shards()
+        # Only verified shards are committed: the rest (.part files, shards of another
+        # artifact or index, unreadable ones) must not reach the artifact's folder.
+        for name in fs.ls(self.tmp_dir, detail=False):
+            base = name.rsplit("/", 1)[-1]
+            shard = _SHARD.fullmatch(base)
+            if base.endswith(".parquet.part") or (shard and int(shard[1]) not in finished):
+                fs.rm(name)
+        shards = [self.shard_name(i) for i in finished]
+        rows = sum(self._rows[i] for i in finished)
         manifest = {
             "id": self.id,
             "kind": self.contract.kind,

@@ -8,7 +8,18 @@
     flywheel serve                      # Prefect server + worker + deployments on 127.0.0.1
 
 Without ``--config`` it reads ``configs/default.yaml`` when the current folder has one (the
-checkout), else the built-in defaults. Errors are one line on stderr and a non-zero exit.
+checkout), else the built-in defaults.
+
+Every input is checked before any work starts, and a refused command writes nothing: the
+config (types, ranges, duplicate YAML keys), the command-line arguments, every env (built with
+its options), ``model.base`` and DeepSpeed templates, and that ``run.work_dir`` and a local
+store can be written. A refusal or a file-system failure is one line on stderr,
+``flywheel: error: ...``, and exit code 2. Prefect's home (``PREFECT_HOME``, default
+``<run.work_dir>/prefect``) is made only when a flow is about to run.
+
+``artifacts ls`` prints what it can read and one ``flywheel: warning:`` line on stderr per
+artifact folder it cannot (no manifest, or a corrupted one); it exits 2 only when there were
+such folders and none could be read.
 """
 
 from __future__ import annotations
@@ -18,18 +29,16 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 DEFAULT_CONFIG = Path("configs/default.yaml")
 
 
 def _environment() -> None:
-    """Defaults that must be set before Prefect, transformers or DeepSpeed are imported."""
-    work = Path(os.environ.get("FLYWHEEL_WORK_DIR", "work")).resolve()
+    """Defaults that must be set before Prefect, transformers or DeepSpeed are imported
+    (PREFECT_HOME is set by ``_prefect_home`` once the work folder is known)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("PREFECT_HOME", str(work / "prefect"))
-    # Prefect's SQLite file lives here.
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The first start of the in-process server migrates its SQLite database: slow on 2 busy cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -42,6 +51,95 @@ def _environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _prefect_home(work_dir: str) -> Path:
+    """Point Prefect's home (its SQLite database) into the work folder unless PREFECT_HOME is
+    set; must run before Prefect is imported, which creates the folder."""
+    os.environ.setdefault("PREFECT_HOME", str(Path(work_dir).resolve() / "prefect"))
+    return Path(os.environ["PREFECT_HOME"])
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, innermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _check_writable(path: Path, key: str) -> None:
+    """A one-line error unless ``path`` is (or can be made) a folder we can write to."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is" if existing == path else f"is inside {existing}, which is"
+        raise ValueError(f"{key}: {path} {what} a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{key}: cannot write to {existing} (read-only or no permission)")
+
+
+def _preflight(cfg: Any) -> None:
+    """Everything a run reads or writes that can be checked before Prefect starts."""
+    from flywheel.config import ConfigError, TrainSection
+    from flywheel.envs import make_suite
+
+    for env in cfg.envs:
+        make_suite(env)  # unknown env, bad import path, bad options: one-line errors
+    if cfg.model.base is not None and not Path(cfg.model.base).is_dir():
+        raise ConfigError(f"config error: model.base: no such folder {cfg.model.base}")
+    for name in type(cfg).model_fields:
+        section = getattr(cfg, name)
+        template = getattr(section, "deepspeed_config", None)
+        if isinstance(section, TrainSection) and template and not Path(template).is_file():
+            raise ConfigError(f"config error: {name}.deepspeed_config: no such file {template}")
+    _check_writable(Path(cfg.run.work_dir), "run.work_dir")
+    if "://" not in cfg.run.store_root():
+        _check_writable(Path(cfg.run.store_root()), "run.store")
+
+
+def _os_error(err: OSError) -> str:
+    """An OSError as one line: what failed and on which path."""
+    what = err.strerror or str(err) or type(err).__name__
+    where = f": {err.filename}" if err.filename else ""
+    return f"{what}{where}"
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _count(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
+    return value
+
+
+def _plain(text: str) -> str:
+    """A stage name or artifact id: one folder name, never a path or a glob."""
+    from flywheel.store import ArtifactError, check_plain
+
+    try:
+        return check_plain("", text)
+    except ArtifactError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"flywheel: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _config_path(arg: str | None) -> str | None:
     if arg:
         return arg
@@ -49,20 +147,20 @@ def _config_path(arg: str | None) -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="flywheel", description="Train LLM agents on their own experience."
-    )
+    p = _Parser(prog="flywheel", description="Train LLM agents on their own experience.")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="bootstrap then N rounds, printing the report")
     run.add_argument("--config", help="YAML config (default: configs/default.yaml)")
-    run.add_argument("--rounds", type=int, help="rounds after the bootstrap (default: run.rounds)")
+    run.add_argument(
+        "--rounds", type=_count, help="rounds after the bootstrap (default: run.rounds)"
+    )
     run.add_argument("--force", action="store_true", help="write new versions of every stage")
     run.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
 
     st = sub.add_parser("stage", help="run one stage of one round (earlier stages are cache hits)")
-    st.add_argument("name")
-    st.add_argument("--round", type=int, required=True)
+    st.add_argument("name", type=_plain)
+    st.add_argument("--round", type=_count, required=True)
     st.add_argument(
         "--force", action="store_true", help="write a new version even if nothing changed"
     )
@@ -73,13 +171,13 @@ def _parser() -> argparse.ArgumentParser:
     art.add_argument("--config")
     asub = art.add_subparsers(dest="action", required=True)
     ls = asub.add_parser("ls")
-    ls.add_argument("--round", type=int)
-    ls.add_argument("--stage")
+    ls.add_argument("--round", type=_count)
+    ls.add_argument("--stage", type=_plain)
     show = asub.add_parser("show")
-    show.add_argument("id")
-    show.add_argument("--rows", type=int, default=0, help="also print the first N rows")
+    show.add_argument("id", type=_plain)
+    show.add_argument("--rows", type=_count, default=0, help="also print the first N rows")
     lin = asub.add_parser("lineage")
-    lin.add_argument("id")
+    lin.add_argument("id", type=_plain)
 
     rep = sub.add_parser("report", help="held-out metrics of every evaluated policy")
     rep.add_argument("--json", action="store_true")
@@ -94,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="start a Prefect server and worker on 127.0.0.1 and deploy the flows"
     )
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=4200)
+    srv.add_argument("--port", type=_port, default=4200)
     srv.add_argument(
         "--pool", default="flywheel-local", help="process work pool to create and serve"
     )
@@ -132,17 +230,23 @@ def _print_lineage(node: dict, depth: int = 0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse(argv)  # writes nothing: --help and usage errors end here
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 0
     _environment()
-    args = _parse(argv)
     from data_contracts import SchemaError
     from flywheel.config import ConfigError
     from flywheel.store import ArtifactError
 
     try:
         return _dispatch(args)
-    except (ConfigError, ArtifactError, SchemaError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ArtifactError, SchemaError, ValueError) as err:
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"flywheel: error: {msg}", file=sys.stderr)
+        return 2
+    except OSError as err:  # read-only or full disk, a file where a folder should be, ...
+        print(f"flywheel: error: {_os_error(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("flywheel: interrupted; rerun to resume (finished shards are kept)", file=sys.stderr)
@@ -153,13 +257,24 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command in ("run", "stage"):
         from flywheel.config import load_config
 
-        # A bad config is a one-line error here; inside the flow Prefect would first log a
-        # traceback (and start its server) before the error reached us.
+        # A bad input is a one-line error here; inside the flow Prefect would first log a
+        # traceback (and start its server, ~15 s) before the error reached us.
         cfg = load_config(_config_path(args.config), args.overrides)
-        if args.command == "stage":
+        _preflight(cfg)
+        home = _prefect_home(cfg.run.work_dir)
+        new = _missing(home)
+        try:
+            # Prefect's import wants its home to exist (it warns otherwise)
+            home.mkdir(parents=True, exist_ok=True)
             from flows.flywheel import check_plan
 
-            check_plan(cfg, args.name, args.round)
+            if args.command == "stage":
+                check_plan(cfg, args.name, args.round)
+        except BaseException:
+            for folder in new:  # a refused command leaves nothing behind
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+            raise
     if args.command == "run":
         from flows.flywheel import flywheel_flow
 
@@ -185,11 +300,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "artifacts":
         store = _store(args.config)
         if args.action == "ls":
-            for ref in store.list(round=args.round, stage=args.stage):
+            refs, problems = store.scan(round=args.round, stage=args.stage)
+            for ref in refs:
                 print(
                     f"round {ref.round}  {ref.stage:<9} {ref.kind:<12} {ref.id:<28} rows={ref.manifest.get('rows')}  {ref.manifest.get('created')}"
                 )
-            return 0
+            failed = bool(problems) and not refs
+            for problem in problems:
+                print(f"flywheel: {'error' if failed else 'warning'}: {problem}", file=sys.stderr)
+            return 2 if failed else 0
         if args.action == "show":
             ref = store.get(args.id)
             print(json.dumps(ref.manifest, indent=2, default=str))
@@ -215,6 +334,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "serve":
         from flywheel.serve import serve
+
+        work = os.environ.get("FLYWHEEL_WORK_DIR", "work")
+        _prefect_home(work).mkdir(parents=True, exist_ok=True)
 
         return serve(host=args.host, port=args.port, pool=args.pool)
     raise AssertionError(args.command)

@@ -58,6 +58,28 @@ def test_bad_values_and_files(tmp_path):
         load_config(None, ["grpo.expert_ratio=0"])
 
 
+def test_duplicate_yaml_keys_are_refused_but_merge_keys_work(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("sft:\n  lr: 0.1\nexplore:\n  top_p: 0.9\nsft:\n  epochs: 2\n")
+    with pytest.raises(ConfigError, match=rf"^config error: {dup} line 5: duplicate key 'sft'$"):
+        load_config(dup)
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("sft: &train\n  lr: 0.1\n  epochs: 2\nsft_more:\n  <<: *train\n  epochs: 5\n")
+    cfg = load_config(merged)
+    assert (cfg.sft_more.lr, cfg.sft_more.epochs) == (0.1, 5)
+
+
+def test_floats_are_finite_and_model_shapes_consistent():
+    for override in ("explore.temperature=inf", "sft.lr=.nan", "dpo.beta=[.inf]"):
+        with pytest.raises(ConfigError, match="finite number"):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match=r"model\.tiny: hidden_size \(30\) must be num_heads"):
+        load_config(None, ["model.tiny.hidden_size=30"])
+    assert load_config(None, ["model.tiny.hidden_size=24", "model.tiny.num_heads=3"])
+    with pytest.raises(ConfigError, match=r"run\.name: must be a plain name"):
+        load_config(None, ["run.name=../x"])
+
+
 def test_every_field_has_help():
     missing = [key for key, text in field_help() if not text]
     assert missing == []

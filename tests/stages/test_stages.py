@@ -90,9 +90,14 @@ def test_row_counts_and_lineage(chain):
     expert = pl.from_arrow(store.read(refs["expert"]))
     assert len(expert) == N_TRAIN + N_VAL  # every train task has a demonstration by default
     assert set(expert["source"]) == {"expert"}
-    assert expert["split"].value_counts().sort("split").rows() == [("train", N_TRAIN), ("val", N_VAL)]
+    assert expert["split"].value_counts().sort("split").rows() == [
+        ("train", N_TRAIN),
+        ("val", N_VAL),
+    ]
     train_rows = expert.filter(pl.col("split") == "train")
-    assert refs["expert"].summary["arith/oracle_success"] == pytest.approx(train_rows["success"].mean())
+    assert refs["expert"].summary["arith/oracle_success"] == pytest.approx(
+        train_rows["success"].mean()
+    )
     for name in ("init", "sft"):
         assert store.read(refs[name]).num_rows == 1
     assert store.read(refs["eval_init"]).num_rows == N_TEST

@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flywheel.training import data, loop
 from flywheel.config import TrainSection
+from flywheel.training import data, loop
 from flywheel.training.loop import LossParams, TrainResult, compute_ref_logps, deepspeed_config
 from flywheel.training.losses import masked_ce, token_logprobs
 
@@ -70,7 +70,9 @@ LOSS_DEFAULTS = {"dpo": {"beta": 0.1}, "grpo": {"clip": 0.2}}
 def train(model, examples, *, loss: str, cfg: dict, **kw) -> TrainResult:
     """loop.train with one dict of knobs: the training section's, and the loss's own."""
     section = TrainSection(**{k: v for k, v in cfg.items() if k not in LOSS_KEYS})
-    params = LossParams(**LOSS_DEFAULTS.get(loss, {}) | {k: v for k, v in cfg.items() if k in LOSS_KEYS})
+    params = LossParams(
+        **LOSS_DEFAULTS.get(loss, {}) | {k: v for k, v in cfg.items() if k in LOSS_KEYS}
+    )
     return loop.train(model, examples, loss=loss, cfg=section, params=params, **kw)  # type: ignore[arg-type]
 
 
@@ -93,9 +95,7 @@ def test_sft_loss_falls_and_params_change(tmp_path: Path) -> None:
 
 def test_grad_accum_and_short_last_step(tmp_path: Path) -> None:
     # 5 micro-batches per epoch with grad_accum 2: steps of 2, 2 and 1 micro-batches.
-    cfg = dict(
-        **CFG | {"epochs": 2, "grad_accum": 2, "micro_batch_size": 2, "zero_stage": 0}
-    )
+    cfg = dict(**CFG | {"epochs": 2, "grad_accum": 2, "micro_batch_size": 2, "zero_stage": 0})
     result = train(tiny_model(), counting(10), loss="sft", cfg=cfg, out_dir=tmp_path)
     assert result.steps == 6
     assert [r["epoch"] for r in result.history] == [0, 0, 0, 1, 1, 1]
@@ -210,9 +210,7 @@ def test_dpo_nll_weight_adds_the_chosen_token_mean_nll() -> None:
     ]
     batch = data.collate(examples, "dpo")
     plain, _ = loop._batch_loss(model, batch, "dpo", LossParams(beta=0.5), None)
-    mixed, stats = loop._batch_loss(
-        model, batch, "dpo", LossParams(beta=0.5, nll_weight=2.0), None
-    )
+    mixed, stats = loop._batch_loss(model, batch, "dpo", LossParams(beta=0.5, nll_weight=2.0), None)
     with torch.no_grad():
         logits = model(
             input_ids=batch["chosen_ids"], attention_mask=batch["chosen_attention_mask"]
@@ -290,9 +288,7 @@ def test_mix_batch_trains_expert_rows_by_nll_only(tmp_path: Path) -> None:
     assert value.item() == pytest.approx(only_policy.item() + 0.3 * nll.item(), rel=1e-4)
     assert stats["expert_nll"].item() == pytest.approx(nll.item(), rel=1e-4)
     with pytest.raises(ValueError, match="expert rows but expert_weight is 0"):
-        train(
-            model, policy_rows + expert_rows, loss="grpo", cfg=dict(**CFG), out_dir=tmp_path
-        )
+        train(model, policy_rows + expert_rows, loss="grpo", cfg=dict(**CFG), out_dir=tmp_path)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -430,7 +426,12 @@ def test_min_delta_counts_small_gains_as_no_improvement(tmp_path: Path) -> None:
 def test_token_budget_stops_training(tmp_path: Path) -> None:
     examples = counting(16)
     result = train(
-        tiny_model(), examples, loss="sft", cfg=CFG | {"epochs": 10}, out_dir=tmp_path, max_tokens=100
+        tiny_model(),
+        examples,
+        loss="sft",
+        cfg=CFG | {"epochs": 10},
+        out_dir=tmp_path,
+        max_tokens=100,
     )
     per_step = [h["tokens"] for h in result.history]
     assert result.stop_reason == "tokens" and result.tokens == sum(per_step)

@@ -2,8 +2,9 @@
 that get demonstrations and on every val task.
 
 Demonstrations are expensive where they come from people; tasks with only a reward check are
-cheap. ``expert.n_tasks: N`` gives demonstrations for the first N train tasks of each env only;
-exploration covers the rest from rewards alone. The val split's oracle runs are what SFT's
+cheap. ``expert.n_tasks: N`` gives demonstrations for N train tasks of each env, spread evenly
+over the split (every (n_train / N)-th task), so every window of tasks a round explores holds
+the same share of demonstrated tasks; exploration covers the rest from rewards alone. The val split's oracle runs are what SFT's
 validation loss is measured on (``sft.val_metric: loss``); no stage trains on them.
 
 Each oracle turn is stepped through a real env, so the stored observations and rewards are what
@@ -30,6 +31,13 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
     return {"envs": cfg.envs_dump(), "n_tasks": cfg.expert.n_tasks}
 
 
+def spread(tasks: list[Any], n: int | None) -> list[Any]:
+    """``n`` of ``tasks`` evenly spaced (index i * len / n), in order; all of them for None."""
+    if n is None or n >= len(tasks):
+        return tasks
+    return [tasks[i * len(tasks) // n] for i in range(n)]
+
+
 def run(
     cfg: Config, store: Store, train: ArtifactRef, val: ArtifactRef, *, force: bool = False
 ) -> ArtifactRef:
@@ -46,9 +54,11 @@ def run(
     shard = 0
     for env_cfg in cfg.envs:
         suite = make_suite(env_cfg)
-        for split, ref, limit in (("train", train, cfg.expert.n_tasks), ("val", val, None)):
+        for split, ref in (("train", train), ("val", val)):
             if not w.has_shard(shard):
-                env_tasks = load_tasks(store, ref, env=env_cfg.name, split=split, limit=limit)
+                env_tasks = load_tasks(store, ref, env=env_cfg.name, split=split)
+                if split == "train":
+                    env_tasks = spread(env_tasks, cfg.expert.n_tasks)
                 episodes = expert_episodes(suite, env_tasks)
                 rows = trajectory_rows(episodes, round=0, policy="oracle", source="expert")
                 w.write_shard(shard, rows)

@@ -40,11 +40,14 @@ def boot(tmp_path_factory):
     return cfg, store, {"train": train, "val": val, "expert": expert, "sft": sft}
 
 
-def test_expert_n_tasks_gives_demonstrations_for_the_first_tasks_only(boot):
+def test_expert_n_tasks_gives_demonstrations_for_tasks_spread_over_the_split(boot):
     _, store, refs = boot
     rows = pl.from_arrow(store.read(refs["expert"], columns=["task_id", "split"]))
     train_ids = pl.from_arrow(store.read(refs["train"], columns=["task_id"]))["task_id"].to_list()
-    assert rows.filter(pl.col("split") == "train")["task_id"].to_list() == train_ids[:N_DEMOS]
+    # 8 of 24: every third task, so any window a round explores holds its share of them
+    assert rows.filter(pl.col("split") == "train")["task_id"].to_list() == train_ids[::3]
+    assert stages.expert.spread(list(range(10)), 4) == [0, 2, 5, 7]
+    assert stages.expert.spread(list(range(3)), None) == [0, 1, 2]
     assert rows.filter(pl.col("split") == "val").height == N_VAL
     assert refs["expert"].summary["arith/train_demonstrations"] == N_DEMOS
     # the tokenizer still knows the words of the tasks without a demonstration

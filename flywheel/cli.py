@@ -20,18 +20,74 @@ store can be written. A refusal or a file-system failure is one line on stderr,
 ``artifacts ls`` prints what it can read and one ``flywheel: warning:`` line on stderr per
 artifact folder it cannot (no manifest, or a corrupted one); it exits 2 only when there were
 such folders and none could be read.
+
+SIGTERM, SIGINT and SIGHUP stop a command cleanly: the first one raises KeyboardInterrupt in
+the main thread, so the flow unwinds (finished shards and train states stay for the rerun),
+then every process we started (Prefect's in-process server, the sandbox's fork server) is
+stopped before we exit with 128 + the signal's number. Python's default for SIGTERM and SIGHUP
+ends the interpreter without running ``finally`` blocks or ``atexit`` handlers, which left
+Prefect's server running with parent pid 1. Further signals while stopping are ignored, so the
+clean-up (bounded: children get ``STOP_GRACE_S`` to exit, then SIGKILL) is not cut short.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
 DEFAULT_CONFIG = Path("configs/default.yaml")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_GRACE_S = 10.0  # Prefect's server and the fork server stop in well under a second
+_received = 0  # the first stop signal received, 0 while none
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    global _received
+    if _received:
+        return  # already stopping: let the clean-up finish
+    _received = signum
+    raise KeyboardInterrupt
+
+
+def _children() -> list[int]:
+    """Our live child processes, from /proc (Prefect and the sandbox keep their own handles)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == me and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _stop_children() -> None:
+    """SIGTERM every child, SIGKILL those still running after ``STOP_GRACE_S``. Their own
+    children go with them: uvicorn runs alone, the fork server kills its calls as it exits."""
+    if not Path("/proc").is_dir():
+        return
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 0.0)):
+        left = _children()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = _children()
+        if not left:
+            return
 
 
 def _environment() -> None:
@@ -239,18 +295,35 @@ def main(argv: list[str] | None = None) -> int:
     from flywheel.config import ConfigError
     from flywheel.store import ArtifactError
 
+    global _received
+    _received = 0
+    previous = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
     try:
         return _dispatch(args)
-    except (ConfigError, ArtifactError, SchemaError, ValueError) as err:
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"flywheel: error: {msg}", file=sys.stderr)
-        return 2
-    except OSError as err:  # read-only or full disk, a file where a folder should be, ...
-        print(f"flywheel: error: {_os_error(err)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("flywheel: interrupted; rerun to resume (finished shards are kept)", file=sys.stderr)
-        return 130
+    except BaseException as err:
+        # A stop signal may surface as another exception once Prefect has handled the
+        # KeyboardInterrupt (a crashed flow run): it is still the interruption.
+        if _received or isinstance(err, KeyboardInterrupt):
+            _received = _received or signal.SIGINT
+            name = signal.Signals(_received).name
+            print(
+                f"flywheel: interrupted ({name}); rerun to resume (finished shards are kept)",
+                file=sys.stderr,
+            )
+            return 128 + _received
+        if isinstance(err, (ConfigError, ArtifactError, SchemaError, ValueError)):
+            msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+            print(f"flywheel: error: {msg}", file=sys.stderr)
+            return 2
+        if isinstance(err, OSError):  # read-only or full disk, a file where a folder should be
+            print(f"flywheel: error: {_os_error(err)}", file=sys.stderr)
+            return 2
+        raise
+    finally:
+        if _received:
+            _stop_children()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -37,9 +37,9 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
 def select_successes(explored: pl.DataFrame, per_task: int) -> pl.DataFrame:
     """The successful train-split samples, best Pareto rank first per task, at most
     ``per_task`` per task, each assistant text once per task."""
-    ok = explored.filter(pl.col("success").fill_null(False) & (pl.col("split") == "train"))
-    if ok.is_empty():
-        return ok
+    if explored.is_empty():
+        return explored
+    # Ranks among all K samples of a task (failures included), then the successes only.
     ranked = explored.with_columns(pareto_rank=pl.Series(trajectory_ranks(explored)))
     ok = ranked.filter(pl.col("success").fill_null(False) & (pl.col("split") == "train"))
     text = pl.col("messages").list.eval(

@@ -171,7 +171,7 @@ def one_round(
     for name in plan.cfg.iteration.steps:
         # grpo reads the explore and expert artifacts only with MIX on (grpo.expert_weight > 0).
         data: dict[str, tuple[StageInput, ...]] = {
-            "sft": ([explored],),
+            "sft": ([explored, boot["expert"]] if plan.cfg.sft.with_expert else [explored],),
             "dpo": (pairs,),
             "grpo": (groups, explored, boot["expert"]),
         }

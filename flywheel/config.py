@@ -247,6 +247,11 @@ class TrainSection(Section):
 class SftConfig(TrainSection):
     """Round 0: the bootstrap policy on the expert trajectories; later rounds: good paths."""
 
+    with_expert: bool = Field(
+        default=False,
+        description="In rounds >= 1, train on the demonstrations too, not only the round's successful explored trajectories (each round an RFT step, as in ETO's RFT).",
+    )
+
 
 class SftMoreConfig(TrainSection):
     match: Literal["tokens", "steps"] = Field(

@@ -31,10 +31,11 @@ from flywheel.training.loop import train
 from stages._common import validation, validation_config, validation_inputs
 
 
-def artifact_config(cfg: Config) -> dict[str, Any]:
-    """What the artifact id hashes: the sft section, the seed and what validation reads."""
+def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
+    """What the artifact id hashes: the sft section (``with_expert`` only in rounds >= 1, where
+    it applies), the seed and what validation reads."""
     return {
-        "sft": cfg.sft.model_dump(),
+        "sft": cfg.sft.model_dump(exclude={"with_expert"} if round == 0 else None),
         "seed": cfg.run.seed,
         "validation": validation_config(cfg, cfg.sft),
     }
@@ -82,7 +83,7 @@ def run(
         "checkpoints",
         stage="sft",
         round=round,
-        config=artifact_config(cfg),
+        config=artifact_config(cfg, round),
         inputs=[policy.id, *(d.id for d in data), *val_ids],
         force=force,
     )

@@ -94,6 +94,7 @@ def test_artifact_configs_isolate_sections():
     policy = ArtifactRef(id="sft-x", kind="checkpoints", stage="sft", round=0, path="", manifest={})
     calls = {
         "tasks": lambda m, c: [m.artifact_config(c, s) for s in ("train", "val", "test")],
+        "sft": lambda m, c: [m.artifact_config(c, 0), m.artifact_config(c, 1)],
         "explore": lambda m, c: m.artifact_config(c, 1),
         "evaluate": lambda m, c: m.artifact_config(c, policy),
         "pareto": lambda m, c: [m.artifact_config(c, a) for a in ("pairs", "groups")],
@@ -112,6 +113,7 @@ def test_artifact_configs_isolate_sections():
     for override, changed in [
         ("evaluate.temperature=0.5", {"evaluate"}),
         ("sft.lr=0.001", {"sft"}),
+        ("sft.with_expert=true", {"sft"}),  # its round >= 1 id only (below)
         ("sft_more.lr=0.001", {"sft_more"}),
         ("rft.per_task=2", {"rft"}),
         ("dpo.beta=[0.2]", {"dpo"}),
@@ -123,3 +125,5 @@ def test_artifact_configs_isolate_sections():
     ]:
         other = configs([override])
         assert {n for n in base if base[n] != other[n]} == changed, override
+    # the bootstrap SFT does not read sft.with_expert: its id stays
+    assert configs(["sft.with_expert=true"])["sft"][0] == base["sft"][0]

@@ -14,7 +14,7 @@ export DS_ACCELERATOR := cpu
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
-.PHONY: install install-dev demo test test-fast serve ui bench lint clean
+.PHONY: install install-dev demo test test-fast test-reliability serve ui bench lint clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -41,6 +41,13 @@ test: install-dev
 
 test-fast: install-dev
 	$(PY) -m pytest -m "not slow and not integration"
+
+# The long kill sweep (KILLS_PER_STAGE kills of each long stage, default 10): prints kills
+# tried / survived per stage and in all. `make test` runs the small sweep only.
+test-reliability: install-dev
+	rm -f work/kill-sweep.txt && mkdir -p work
+	FLYWHEEL_SWEEP_REPORT=$(abspath work)/kill-sweep.txt $(PY) -m pytest -s -m reliability_full tests/reliability/test_kill_sweep.py; \
+	status=$$?; cat work/kill-sweep.txt 2>/dev/null; exit $$status
 
 serve: install
 	$(VENV)/bin/flywheel serve

@@ -7,6 +7,11 @@ plots the stage left in its folder) as artifacts. Training curves come from the 
 thread-local "active run", because Prefect may run stages on worker threads.
 
 The default store is a SQLite file in the work folder; ``make ui`` opens the UI on it.
+
+Secrets never reach MLflow through us: every param value and tag passes ``redact``, which
+masks the password of a URL (``s3://key:secret@bucket`` -> ``s3://key:***@bucket``) and any
+occurrence of the value of an environment variable whose name says it is a secret (``*TOKEN*``,
+``*KEY*``, ``*SECRET*``, ``*PASSWORD*``, ...). Nothing here reads the environment into a param.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +30,20 @@ from flywheel.store import ArtifactRef, Store
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
+
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|SESSION|PRIVATE", re.I)
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@", re.I)
+MASK = "***"
+
+
+def redact(text: str) -> str:
+    """``text`` with URL passwords and the values of secret-named environment variables masked
+    (values shorter than 6 characters are too common to mask without hiding ordinary text)."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m['head']}{MASK}@", text)
+    for name, value in os.environ.items():
+        if len(value) >= 6 and SECRET_NAME.search(name) and value in text:
+            text = text.replace(value, MASK)
+    return text
 
 
 class Tracker:
@@ -64,7 +84,7 @@ class Tracker:
     def _create_run(
         self, name: str, parent: str | None = None, tags: dict[str, str] | None = None
     ) -> str:
-        all_tags = dict(tags or {})
+        all_tags = {k: redact(str(v)) for k, v in (tags or {}).items()}
         if parent:
             all_tags["mlflow.parentRunId"] = parent
         run = self._mlflow.create_run(self.experiment_id, run_name=name, tags=all_tags)
@@ -94,7 +114,7 @@ class Tracker:
         from mlflow.entities import Param
 
         flat = _flatten(params)
-        items = [Param(k[:250], str(v)[:6000]) for k, v in flat.items()]
+        items = [Param(k[:250], redact(str(v))[:6000]) for k, v in flat.items()]
         for i in range(0, len(items), 100):
             self._mlflow.log_batch(run_id, params=items[i : i + 100])
 

@@ -181,6 +181,12 @@ def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker
         time.sleep(0.5)
         watch.poll()
         assert {"prefect-server", "sandbox"} <= kinds(watch.seen), watch.seen
+        # Prefect's in-process server listens on loopback only (tests/reliability/test_secrets.py)
+        from tests.reliability.test_secrets import listening_sockets, loopback_only
+
+        for pid, (_, line) in watch.seen.items():
+            if "uvicorn" in line:
+                assert loopback_only(listening_sockets(pid)), (line, listening_sockets(pid))
         sent = time.monotonic()
         os.kill(proc.pid, signum)
         assert watch.wait(60), "the run did not stop within 60 s of the signal"

@@ -25,19 +25,30 @@ from flywheel.checkpoint import (
     write_checkpoint,
     write_train_log,
 )
-from flywheel.config import Config
+from flywheel.config import Config, SftConfig
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import train
 from stages._common import validation, validation_config, validation_inputs
 
 
+ROUND_FIELDS = {"with_expert", "round_val_metric"}  # read by the SFT steps of rounds >= 1 only
+
+
+def section(cfg: Config, round: int) -> SftConfig:
+    """The sft section as round ``round`` trains with it (rounds >= 1 validate by round_val_metric)."""
+    if round == 0:
+        return cfg.sft
+    return cfg.sft.model_copy(update={"val_metric": cfg.sft.round_val_metric})
+
+
 def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
-    """What the artifact id hashes: the sft section (``with_expert`` only in rounds >= 1, where
-    it applies), the seed and what validation reads."""
+    """What the artifact id hashes: the sft section (the round fields only in rounds >= 1, where
+    they apply), the seed and what validation reads."""
+    sc = section(cfg, round)
     return {
-        "sft": cfg.sft.model_dump(exclude={"with_expert"} if round == 0 else None),
+        "sft": sc.model_dump(exclude=ROUND_FIELDS if round == 0 else None),
         "seed": cfg.run.seed,
-        "validation": validation_config(cfg, cfg.sft),
+        "validation": validation_config(cfg, sc),
     }
 
 
@@ -78,7 +89,8 @@ def run(
     log=None,
     force: bool = False,
 ) -> ArtifactRef:
-    val_ids = validation_inputs(cfg.sft, val_tasks, val_demos)
+    sc = section(cfg, round)
+    val_ids = validation_inputs(sc, val_tasks, val_demos)
     w = store.writer(
         "checkpoints",
         stage="sft",
@@ -98,12 +110,12 @@ def run(
         return unchanged_checkpoint(
             w, store, policy, stage="sft", round=round, reason="no successful trajectories"
         )
-    validate = validation(cfg, cfg.sft, store, tokenizer, val_tasks, val_demos)
+    validate = validation(cfg, sc, store, tokenizer, val_tasks, val_demos)
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
     result = train(
-        model, examples, loss="sft", cfg=cfg.sft, seed=cfg.run.seed, out_dir=out, log=log,
+        model, examples, loss="sft", cfg=sc, seed=cfg.run.seed, out_dir=out, log=log,
         validate=validate, log_every=cfg.run.log_every,
     )  # fmt: skip
     write_train_log(out, result.history)

@@ -127,3 +127,5 @@ def test_artifact_configs_isolate_sections():
         assert {n for n in base if base[n] != other[n]} == changed, override
     # the bootstrap SFT does not read sft.with_expert: its id stays
     assert configs(["sft.with_expert=true"])["sft"][0] == base["sft"][0]
+    assert configs(["sft.round_val_metric=loss"])["sft"][0] == base["sft"][0]
+    assert configs(["sft.round_val_metric=loss"])["sft"][1] != base["sft"][1]

@@ -251,6 +251,11 @@ class SftConfig(TrainSection):
         default=False,
         description="In rounds >= 1, train on the demonstrations too, not only the round's successful explored trajectories (each round an RFT step, as in ETO's RFT).",
     )
+    round_lr: float | None = Field(
+        default=None,
+        gt=0,
+        description="Peak learning rate of the SFT steps of rounds >= 1 (null: lr): continuing a converged policy wants a smaller step than training it from scratch.",
+    )
     round_val_metric: Literal["loss", "success"] = Field(
         default="success",
         description="Validation signal of the SFT steps of rounds >= 1 (round 0 uses val_metric): the loss on demonstrations rises as soon as the policy learns its own successes' wording, whether or not it gets better.",

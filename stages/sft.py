@@ -31,14 +31,19 @@ from flywheel.training.loop import train
 from stages._common import validation, validation_config, validation_inputs
 
 
-ROUND_FIELDS = {"with_expert", "round_val_metric"}  # read by the SFT steps of rounds >= 1 only
+# Read by the SFT steps of rounds >= 1 only.
+ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr"}
 
 
 def section(cfg: Config, round: int) -> SftConfig:
-    """The sft section as round ``round`` trains with it (rounds >= 1 validate by round_val_metric)."""
+    """The sft section as round ``round`` trains with it: rounds >= 1 validate by
+    round_val_metric and train at round_lr (when set)."""
     if round == 0:
         return cfg.sft
-    return cfg.sft.model_copy(update={"val_metric": cfg.sft.round_val_metric})
+    update: dict[str, Any] = {"val_metric": cfg.sft.round_val_metric}
+    if cfg.sft.round_lr is not None:
+        update["lr"] = cfg.sft.round_lr
+    return cfg.sft.model_copy(update=update)
 
 
 def artifact_config(cfg: Config, round: int) -> dict[str, Any]:

@@ -428,6 +428,10 @@ def init_distributed() -> tuple[int, int]:
         accelerator = get_accelerator()
         on_cpu = accelerator.device_name() == "cpu"
         backend = "gloo" if on_cpu else accelerator.communication_backend_name()
+        if os.environ["WORLD_SIZE"] == "1":
+            # One process: an in-memory rendezvous store, so no TCPStore listens on every
+            # interface (torch's default binds [::]:MASTER_PORT); DeepSpeed then reuses the group.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return dist.get_rank(), dist.get_world_size()
 

@@ -201,8 +201,9 @@ def train(
         batch_index += len(group)
         if batch_index >= len(local):
             epoch, batch_index = epoch + 1, 0
-        if validating and (step % cfg.val_every == 0 or step == total):
-            check(step, record)
+        out_of_tokens = max_tokens is not None and st.tokens >= max_tokens
+        if validating and (step % cfg.val_every == 0 or step == total or out_of_tokens):
+            check(step, record)  # the last step is always validated, whatever ends the run
         history.append(record)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
             st.step, st.epoch, st.batch_index = step, epoch, batch_index

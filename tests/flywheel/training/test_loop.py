@@ -447,3 +447,19 @@ def test_validation_loss_is_the_token_mean_masked_ce() -> None:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         want = masked_ce(logits, batch["input_ids"], batch["loss_mask"]).item()
     assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_the_step_that_spends_the_token_budget_is_validated(tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    def validate(module: torch.nn.Module) -> dict[str, float]:
+        seen.append(len(seen))
+        return {"score": float(len(seen))}  # every validation better than the last
+
+    cfg = CFG | {"epochs": 10, "val_every": 50}
+    result = train(
+        tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path, max_tokens=100,
+        validate=validate,
+    )  # fmt: skip
+    assert result.stop_reason == "tokens" and result.steps < 50
+    assert len(seen) == 2 and result.best_step == result.steps  # step 0, then the last step

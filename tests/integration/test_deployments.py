@@ -61,6 +61,7 @@ def test_stage_deployment_runs_the_tasks_stage(prefect_server, tmp_path: Path) -
     overrides = [
         f"run.work_dir={work}",
         "envs.arith.n_train=8",
+        "envs.arith.n_val=2",
         "envs.arith.n_test=4",
         "tracking.enabled=false",
     ]
@@ -82,10 +83,10 @@ def test_stage_deployment_runs_the_tasks_stage(prefect_server, tmp_path: Path) -
     state = httpx.get(f"{api_url}/flow_runs/{run_id}").json()["state"]
     assert state["type"] == "COMPLETED", f"{state}\n{log.read_text()[-4000:]}"
     manifests = list((work / "store" / "default" / "round-0" / "tasks").glob("*/manifest.json"))
-    assert len(manifests) == 1, log.read_text()[-4000:]
-    manifest = json.loads(manifests[0].read_text())
-    assert manifest["kind"] == "tasks"
-    assert manifest["rows"] == 8 + 4
+    assert len(manifests) == 3, log.read_text()[-4000:]  # one artifact per split
+    by_split = {m["split"]: m for m in (json.loads(p.read_text()) for p in manifests)}
+    assert {m["kind"] for m in by_split.values()} == {"tasks"}
+    assert [by_split[s]["rows"] for s in ("train", "val", "test")] == [8, 2, 4]
 
 
 @pytest.mark.integration

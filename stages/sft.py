@@ -30,7 +30,6 @@ from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import train
 from stages._common import validation, validation_config, validation_inputs
 
-
 # Read by the SFT steps of rounds >= 1 only.
 ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr"}
 

@@ -60,6 +60,9 @@ def write_checkpoint(
         "base": base,
         "num_params": row["num_params"],
         "train_steps": train_steps,
+        # Every checkpoint says what it cost; train_summary() overrides this for a trained one,
+        # so a step that passed its policy on (no pairs, no groups) counts 0 for sft_more.
+        "train_tokens": 0,
     }
     if not math.isnan(row["final_loss"]):
         info["final_loss"] = row["final_loss"]

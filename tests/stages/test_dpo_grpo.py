@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 import torch
 
+import stages.sft_more
 from data_contracts import groups as groups_contract
 from data_contracts import pairs as pairs_contract
 from flywheel.agent import run_episodes
@@ -229,6 +230,9 @@ def test_no_pairs_passes_the_policy_on(world, capsys):
     ref = dpo.run(Cfg(), store, policy, write_pairs(store, [], "empty"), round=4)
     assert "WARNING" in capsys.readouterr().out
     assert ref.summary["skipped"] == "no pairs" and ref.summary["train_steps"] == 0
+    # it still records its cost, so sft_more can match the compute of a round that skipped
+    assert ref.summary["train_tokens"] == 0
+    assert stages.sft_more.budget([ref], "tokens") == 0
     start, _ = load_policy(store, policy)
     same, _ = load_policy(store, ref)
     assert torch.equal(params(start), params(same))

@@ -33,7 +33,7 @@ import stages.rft
 import stages.sft
 import stages.sft_more
 import stages.tasks
-from flywheel.config import Config, load_config
+from flywheel.config import BASELINES, Config, load_config
 from flywheel.report import STATE_FILE, collect, format_table
 from flywheel.store import ArtifactRef, Store
 from flywheel.tracking import Tracker
@@ -58,7 +58,6 @@ STAGES = {
 }
 BOOTSTRAP_ONLY = ("tasks", "expert", "init")
 ROUNDS_ONLY = ("explore", "pareto", "dpo", "grpo", "sft_more", "rft")
-BASELINES = ("sft_more", "rft")
 
 # A stage's input is an artifact or a list of them (sft's trajectory artifacts); it returns its
 # artifact, or a tuple of them (pareto writes pairs and groups).

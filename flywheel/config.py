@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -450,6 +450,7 @@ class GrpoConfig(TrainSection):
 
 TrainStep = Literal["sft", "dpo", "grpo"]
 Baseline = Literal["sft_more", "rft"]
+BASELINES: tuple[str, ...] = get_args(Baseline)  # the baseline stages, by name
 
 
 def _default_steps() -> list[TrainStep]:

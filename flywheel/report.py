@@ -19,10 +19,10 @@ import json
 import math
 from typing import Any
 
+from flywheel.config import BASELINES
 from flywheel.store import ArtifactError, Store
 
 STATE_FILE = "flywheel.json"
-BASELINES = ("sft_more", "rft")
 COLUMNS = (
     "round",
     "policy",

@@ -14,7 +14,7 @@ export DS_ACCELERATOR := cpu
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
-.PHONY: install install-dev demo test test-fast test-reliability serve ui bench lint clean
+.PHONY: install install-dev browser screenshots demo test test-fast test-reliability serve ui bench lint clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -33,10 +33,23 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
+# The browser tests drive Debian's chromium through its chromedriver (both from Debian's
+# package registry; nothing is downloaded at test time). Needs root or sudo the first time.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	else \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium chromium-driver; \
+	fi
+
+# Re-make the README's screenshots (docs/images/*.png) from the browser tests.
+screenshots: install-dev browser
+	FLYWHEEL_SCREENSHOTS=$(abspath docs/images) $(PY) -m pytest tests/browser
+
 demo: install
 	$(VENV)/bin/flywheel run --config $(CONFIG)
 
-test: install-dev
+test: install-dev browser
 	$(PY) -m pytest
 
 test-fast: install-dev

@@ -65,7 +65,10 @@ test-reliability: install-dev
 serve: install
 	$(VENV)/bin/flywheel serve
 
+# Open the link `flywheel run` prints at its end ("MLflow: http://127.0.0.1:5000/#/experiments/...
+# ?workflowType=machine_learning"): MLflow 3's UI otherwise opens on its GenAI overview.
 ui: install
+	@echo "MLflow UI on http://127.0.0.1:5000: open the 'MLflow:' link that flywheel run printed"
 	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(abspath work)/mlflow.db
 
 bench: install-dev

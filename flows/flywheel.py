@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prefect import flow, task
 from prefect.cache_policies import NONE
@@ -34,6 +35,8 @@ import stages.sft
 import stages.sft_more
 import stages.tasks
 from flywheel.config import BASELINES, Config, load_config
+from flywheel.html_report import write_html
+from flywheel.progress import say  # stdout once, and the flow run's logs in Prefect
 from flywheel.report import STATE_FILE, collect, format_table
 from flywheel.store import ArtifactRef, Store
 from flywheel.tracking import Tracker
@@ -108,8 +111,8 @@ def _run(
     for ref in result if isinstance(result, tuple) else (result,):
         cached = ref.id not in plan.store.committed
         label = "cache hit" if cached else f"{took:7.1f}s"
-        print(f"[round {round}] {name:<9} {label:>9}  {ref.id:<22} {_headline(ref)}", flush=True)
-        plan.tracker.log_stage(plan.parent_run, plan.store, ref, cached)
+        say(f"[round {round}] {name:<9} {label:>9}  {ref.id:<22} {_headline(ref)}")
+        plan.tracker.log_stage(plan.store, ref, cached)
         if name == "evaluate":
             plan.evaluations.append(ref.id)
     if plan.stop_at == (name, round) and last:
@@ -229,17 +232,24 @@ def _plan(config: str | None, overrides: list[str], **kw) -> Plan:
 
 
 def _tracked(plan: Plan, name: str, rounds: int, with_baselines: bool = True) -> StageResult | None:
-    plan.parent_run = plan.tracker.start(
-        name, tags={"run": plan.cfg.run.name, "store": plan.cfg.run.store_root()}
+    """Walk the DAG inside an MLflow run tree; afterwards ``plan.parent_run`` is its parent run
+    (new, or the existing one when every artifact already had its run: see flywheel.tracking)."""
+    plan.tracker.begin(
+        name,
+        run=plan.cfg.run.name,
+        rounds=rounds,
+        params=plan.cfg.model_dump(),
+        tags={"store": plan.cfg.run.store_root()},
     )
-    plan.tracker.log_params(plan.parent_run, plan.cfg.model_dump())
     status = "FAILED"
     try:
         result = _walk(plan, rounds, with_baselines)
         status = "FINISHED"
-        return result
     finally:
-        plan.tracker.end(plan.parent_run, status)
+        plan.parent_run = plan.tracker.finish(status)
+    if plan.parent_run:
+        print(f"MLflow: {plan.tracker.ui_url(plan.parent_run)}", flush=True)
+    return result
 
 
 @flow(name="flywheel", validate_parameters=False)
@@ -258,6 +268,10 @@ def flywheel_flow(
         json.dump(state, fh, indent=2)
     rows = collect(plan.store)
     print(format_table(rows))
+    if rows:  # the HTML report of the run, next to the work folder's other outputs, and in MLflow
+        page = write_html(plan.store, Path(plan.cfg.run.work_dir) / "report" / plan.cfg.run.name)
+        plan.tracker.log_file(plan.parent_run, page.parent, artifact_path="report")
+        print(f"HTML report: {page}", flush=True)
     return rows
 
 

@@ -3,8 +3,9 @@
     flywheel run [--config PATH] [--rounds N] [--force] [key.sub=value ...]
     flywheel stage NAME --round R [--force] [--config PATH] [key.sub=value ...]
     flywheel artifacts ls [--round R] [--stage S] | show ID | lineage ID
-    flywheel report [--json]
-    flywheel config [--fields]
+    flywheel report [--json | --html [PATH]]
+    flywheel show ID [--task T] [--failed] [--source S] [--limit N]  # episodes of an artifact
+    flywheel config [--fields | --reference]
     flywheel serve                      # Prefect server + worker + deployments on 127.0.0.1
 
 Without ``--config`` it reads ``configs/default.yaml`` when the current folder has one (the
@@ -98,8 +99,10 @@ def _environment() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The first start of the in-process server migrates its SQLite database: slow on 2 busy cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    # Progress is printed by the flows themselves; Prefect's own logs would add a traceback in
-    # front of every one-line error. PREFECT_LOGGING_LEVEL=INFO brings them back.
+    # Progress and status lines are printed once by flywheel.progress, which also sends them to
+    # the flow run's logs (its own logger, holding only Prefect's API handler, so this level
+    # does not hold them back). Prefect's own logs would add a traceback in front of every
+    # one-line error: PREFECT_LOGGING_LEVEL=INFO brings them back (docs/progress.md).
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
@@ -236,12 +239,34 @@ def _parser() -> argparse.ArgumentParser:
     lin.add_argument("id", type=_plain)
 
     rep = sub.add_parser("report", help="held-out metrics of every evaluated policy")
-    rep.add_argument("--json", action="store_true")
+    fmt = rep.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument(
+        "--html",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="write the HTML report into the folder PATH (default: <run.work_dir>/report/<run.name>) "
+        "and print the path of its index.html",
+    )
     rep.add_argument("--config")
+
+    sh = sub.add_parser(
+        "show", help="print the episodes of a trajectories, eval, groups or pairs artifact"
+    )
+    sh.add_argument("id", type=_plain)
+    sh.add_argument("--task", help="only this task id")
+    sh.add_argument("--failed", action="store_true", help="only episodes that did not succeed")
+    sh.add_argument("--source", help="only this source: expert, explore, mcts, revision, import")
+    sh.add_argument("--limit", type=_count, default=10, help="at most N episodes (0: all)")
+    sh.add_argument("--config")
 
     cfg = sub.add_parser("config", help="print the resolved config")
     cfg.add_argument("--config")
     cfg.add_argument("--fields", action="store_true", help="list every key with its help text")
+    cfg.add_argument(
+        "--reference", action="store_true", help="print the config reference (docs/config.md)"
+    )
     cfg.add_argument("overrides", nargs="*")
 
     srv = sub.add_parser(
@@ -393,13 +418,41 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "report":
         from flywheel.report import collect, format_table
 
+        if args.html is not None:
+            from flywheel.config import load_config
+            from flywheel.html_report import write_html
+            from flywheel.store import Store
+
+            cfg = load_config(_config_path(args.config))
+            out = Path(args.html or Path(cfg.run.work_dir) / "report" / cfg.run.name)
+            print(write_html(Store(cfg.run.store_root(), cfg.run.name), out))
+            return 0
         rows = collect(_store(args.config))
         print(json.dumps(rows, indent=2) if args.json else format_table(rows))
         return 0
-    if args.command == "config":
-        from flywheel.config import dump_config, field_help, load_config
+    if args.command == "show":
+        from flywheel.show import render, use_color
 
-        if args.fields:
+        text = render(
+            _store(args.config),
+            args.id,
+            task=args.task,
+            failed=args.failed,
+            source=args.source,
+            limit=args.limit,
+            color=use_color(sys.stdout),
+        )
+        try:
+            print(text, end="", flush=True)
+        except BrokenPipeError:  # `flywheel show ... | less` quit early: not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    if args.command == "config":
+        from flywheel.config import config_reference, dump_config, field_help, load_config
+
+        if args.reference:
+            print(config_reference(), end="")
+        elif args.fields:
             for key, text in field_help():
                 print(f"{key:<40} {text}")
         else:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 
 class ConfigError(ValueError):
@@ -684,3 +686,98 @@ def field_help(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 rows.extend(field_help(arg, key + ".<name>."))
     return rows
+
+
+def _type_name(ann: Any) -> str:
+    """A field's type as a user writes it in YAML: ``int``, ``float | null``, ``cosine | constant``."""
+    origin, args = get_origin(ann), get_args(ann)
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (Union, UnionType):
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is list:
+        item = _type_name(args[0]) if args else "any"
+        return "list of sections" if item == "section" else f"list of {item}"
+    if origin is dict:
+        return "mapping"
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "section"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _bounds(field: Any) -> str:
+    words = []
+    for meta in field.metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(meta, attr, None) is not None:
+                words.append(f"{sign} {getattr(meta, attr)}")
+        if getattr(meta, "min_length", None):
+            words.append(f"at least {meta.min_length}")
+    return ", ".join(words)
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        return ""
+    if isinstance(value, list):
+        value = [v.name if isinstance(v, EnvConfig) else v for v in value]
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=1000)
+        .strip()
+        .removesuffix("...")
+        .strip()
+    )
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _reference_rows(fields: dict[str, FieldInfo], prefix: str) -> list[str]:
+    rows = []
+    for name, field in fields.items():
+        key = f"{prefix}{name}"
+        kind = _type_name(field.annotation)
+        bounds = _bounds(field)
+        default = _default_text(field)
+        cells = (
+            f"`{key}`",
+            f"{kind}, {bounds}" if bounds else kind,
+            f"`{default}`" if default and default != "required" else default,
+            (field.description or "").replace("<", "&lt;"),  # <work_dir> is no HTML tag
+        )
+        rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(_reference_rows(ann.model_fields, key + "."))
+        for arg in get_args(ann):  # list[EnvConfig] -> envs.<name>.<field>
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                rows.extend(_reference_rows(arg.model_fields, key + ".<name>."))
+    return rows
+
+
+def config_reference() -> str:
+    """docs/config.md: one table per top-level section with every key's type, default and help
+    text (``flywheel config --reference``; a test keeps the committed file equal to this)."""
+    parts = [
+        "# Config reference\n",
+        "Generated from the help text in `flywheel/config.py` by "
+        "`flywheel config --reference > docs/config.md`; do not edit by hand.\n",
+        "A config is a YAML file (`configs/default.yaml` is the demo's) plus `key.sub=value` "
+        "overrides on the command line; list entries are addressed by name "
+        "(`envs.arith.n_test=500`). Unknown keys, wrong types and out-of-range values are "
+        "refused before anything runs. `null` is YAML's none.\n",
+    ]
+    header = "| key | type | default | help |\n|---|---|---|---|"
+    for name, field in Config.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows = _reference_rows(ann.model_fields, f"{name}.")
+        else:  # envs, baselines
+            rows = _reference_rows({name: field}, "")
+        table = f"{header}\n" + "\n".join(rows) if rows else "No keys yet."
+        parts.append(f"## `{name}`\n\n{field.description}\n\n{table}\n")
+    return "\n".join(parts)

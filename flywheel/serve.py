@@ -85,10 +85,14 @@ def start_server(home: Path, host: str, port: int) -> subprocess.Popen:
             f"port {port} on {host} is busy (another Prefect server? `lsof -i :{port}`)"
         )
     home.mkdir(parents=True, exist_ok=True)
+    env = prefect_env(home)
+    # The UI asks the API at PREFECT_UI_API_URL, which defaults to port 4200 whatever --port says.
+    if not (env.get("PREFECT_UI_API_URL") or env.get("PREFECT_SERVER_UI_API_URL")):
+        env["PREFECT_UI_API_URL"] = f"http://{host}:{port}/api"
     with open(home / "server.log", "w") as log:
         return subprocess.Popen(
             [prefect_bin(), "server", "start", "--host", host, "--port", str(port)],
-            env=prefect_env(home),
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

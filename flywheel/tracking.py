@@ -1,12 +1,44 @@
-"""MLflow tracking: one run per flywheel run, a nested run per round, a nested run per stage.
+"""MLflow tracking: a parent run per flywheel run, a nested run per round, a nested run per stage
+artifact, and every policy checkpoint in the model registry.
 
-Stage runs get params = the stage's resolved config, metrics = the artifact's summary (the same
-names every round, so the UI compares rounds), tags = artifact ids, and the manifest (plus any
-plots the stage left in its folder) as artifacts. Training curves come from the checkpoint's
-``train_log.jsonl``. The client API with explicit parent ids is used rather than MLflow's
-thread-local "active run", because Prefect may run stages on worker threads.
+What a flow logs (``Tracker.begin``, ``log_stage`` for every artifact, ``finish``):
 
-The default store is a SQLite file in the work folder; ``make ui`` opens the UI on it.
+- The experiment carries the tag ``mlflow.experimentKind = custom_model_development``, set when
+  it is created and added to an existing one that lacks it: MLflow 3 UIs that pick the landing
+  page from it open on the runs table rather than the GenAI overview. MLflow 3.17's UI decides
+  from its own "GenAI / Model training" switch instead (remembered by the browser, GenAI until
+  switched), so the links we print (``ui_url``) carry ``workflowType=machine_learning``.
+- The parent run is named after the config and the start time (``default 2026-11-23 08:15``);
+  params = the whole resolved config. It carries the learning curve as metric series with
+  step = round: ``<env>/success_rate``, ``<env>/avg_reward`` and ``<env>/efficiency`` of the
+  round's evaluated policy (round 0: the SFT policy), and the reference policies (the untrained
+  ``init`` policy and the baselines ``sft_more``, ``rft``) as ``<env>/<policy>/<metric>``,
+  logged at every step 0..rounds so they draw as flat lines beside the curve.
+- A round run (``round-<r>``) carries every metric of its round's policy evaluation (the eval
+  artifact's summary: ``<env>/success_rate``, per-difficulty success, tool calls, ...), so
+  MLflow's compare-runs page lines rounds up side by side.
+- A stage run per artifact: params = the stage's resolved config, metrics = the artifact's
+  summary, tags = artifact id, inputs, round, kind, store; the manifest (and any plots the
+  stage left in its folder) as artifacts; training curves from the checkpoint's
+  ``train_log.jsonl`` as ``train/*`` series.
+- Every checkpoint (init, sft, dpo, grpo, sft_more, rft) is a version of the registered model
+  ``flywheel-<run.name>``: source = the checkpoint folder, tags = artifact id, stage, round,
+  and, once it is evaluated, its eval id and ``<env>/<metric>`` values.
+
+Cached reruns make no duplicates. One MLflow run per artifact: a stage run is looked up by its
+``artifact_id`` tag (and store) and reused when it exists, whichever flywheel run made it. The
+parent run is created lazily, at the first stage run that did not exist yet; a flywheel run
+whose every artifact already has its run creates no run at all and reports the parent run that
+logged its last artifact (``finish`` returns it, so the flow can log its report there). Why
+reuse rather than tag-and-hide: the runs table stays one row per distinct result, an
+artifact's run (and its model version) is found from its id alone, and nothing is filtered out
+of sight. A run that fails before it logs anything new still gets a parent run, marked FAILED.
+Model versions follow the same rule (looked up by ``artifact_id`` before registering).
+
+The client API with explicit run ids is used rather than MLflow's thread-local "active run",
+because Prefect may run stages on worker threads. The default store is a SQLite file in the work
+folder, with the run artifacts beside it (``mlartifacts/``; set when the experiment is created);
+``make ui`` opens the UI on it.
 
 Secrets never reach MLflow through us: every param value and tag passes ``redact``, which
 masks the password of a URL (``s3://key:secret@bucket`` -> ``s3://key:***@bucket``) and any
@@ -20,20 +52,34 @@ import json
 import logging
 import os
 import re
+import sys
 import tempfile
 import time
+import urllib.parse
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flywheel.checkpoint import TRAIN_LOG
+from flywheel.config import BASELINES
 from flywheel.store import ArtifactRef, Store
 
 if TYPE_CHECKING:
+    from mlflow.entities import Metric, Run
     from mlflow.tracking import MlflowClient
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|SESSION|PRIVATE", re.I)
 _URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@", re.I)
 MASK = "***"
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+UI_URL = "http://127.0.0.1:5000"  # where `make ui` serves a SQLite store
+ML_VIEW = "workflowType=machine_learning"  # MLflow 3.17's "Model training" view of the UI
+HEADLINE = ("success_rate", "avg_reward", "efficiency")  # per env, on parent and round runs
+REFERENCES = ("init", *BASELINES)  # evaluated policies drawn as flat lines, not as the curve
+PARENT_TAG = "mlflow.parentRunId"
 
 
 def redact(text: str) -> str:
@@ -46,13 +92,47 @@ def redact(text: str) -> str:
     return text
 
 
+def model_name(run: str) -> str:
+    """The registered model holding every checkpoint of the flywheel run ``run``."""
+    return f"flywheel-{run}"
+
+
+def headline(ref: ArtifactRef) -> dict[str, float]:
+    """``<env>/<metric>`` -> value of an eval artifact's headline metrics."""
+    out = {}
+    for key, value in ref.summary.items():
+        env, _, metric = key.partition("/")
+        if metric in HEADLINE and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{env}/{metric}"] = float(value)
+    return out
+
+
+@dataclass
+class _Flywheel:
+    """The parent run of one flow invocation, created on demand (see the module docstring)."""
+
+    name: str
+    run: str  # run.name: the registered model is model_name(run)
+    rounds: int
+    params: dict[str, Any]
+    tags: dict[str, str]
+    start_ms: int
+    run_id: str | None = None
+    pending: list[Metric] = field(default_factory=list)  # curve points logged before run_id
+    last_reused: Run | None = None  # the existing stage run of the latest artifact
+    versions: dict[str, str] = field(default_factory=dict)  # checkpoint id -> model version
+
+
 class Tracker:
     """Thin wrapper over ``MlflowClient``; every method is a no-op when tracking is off."""
 
     def __init__(self, uri: str | None, experiment: str, enabled: bool = True):
         self.enabled = enabled and uri is not None
+        self.uri = uri
         self.client: MlflowClient | None = None
         self._rounds: dict[tuple[str | None, int], str] = {}  # (parent, round) -> round run
+        self._flywheel: _Flywheel | None = None
+        self._warned_registry = False
         if not self.enabled:
             return
         assert uri is not None  # enabled implies a uri
@@ -60,20 +140,25 @@ class Tracker:
         logging.getLogger("alembic").setLevel(logging.WARNING)
         from mlflow.tracking import MlflowClient
 
+        artifacts = None  # a server decides; else MLflow's default, ./mlruns under the cwd
         if uri.startswith("sqlite:///"):
-            Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=uri)
+            db = Path(uri[len("sqlite:///") :]).resolve()
+            db.parent.mkdir(parents=True, exist_ok=True)
+            artifacts = (db.parent / "mlartifacts").as_uri()  # beside the database
+        self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = (
-            found.experiment_id if found else self.client.create_experiment(experiment)
-        )
-
-    def start(
-        self, name: str, parent: str | None = None, tags: dict[str, str] | None = None
-    ) -> str | None:
-        if not self.enabled:
-            return None
-        return self._create_run(name, parent, tags)
+        if found is None:
+            self.experiment_id = self.client.create_experiment(
+                experiment,
+                artifact_location=artifacts,
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
+            )
+        else:
+            self.experiment_id = found.experiment_id
+            if EXPERIMENT_KIND_TAG not in found.tags:
+                self.client.set_experiment_tag(
+                    self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND
+                )
 
     @property
     def _mlflow(self) -> MlflowClient:
@@ -81,12 +166,116 @@ class Tracker:
         assert self.client is not None, "tracking is off"
         return self.client
 
+    def ui_url(self, run_id: str | None = None) -> str:
+        """The MLflow UI page of the experiment (it lands on the runs table) or of one run, in
+        the UI's "Model training" view: on the tracking server itself, or on ``make ui`` for a
+        SQLite store."""
+        page = f"/runs/{run_id}" if run_id else ""
+        return f"{self._ui_base()}/#/experiments/{self._experiment()}{page}?{ML_VIEW}"
+
+    def chart_url(self, run_ids: list[str], keys: list[str]) -> str:
+        """MLflow's metric page plotting ``keys`` of ``run_ids`` on one chart against the step,
+        with a table of their values: the learning curve is ``chart_url([parent],
+        ["arith/success_rate", "arith/sft_more/success_rate", ...])``."""
+        query = {
+            "runs": _compact(run_ids),
+            "metric": _compact(keys[0]),
+            "experiments": _compact([self._experiment()]),
+            "plot_metric_keys": _compact(keys),
+            "plot_layout": "{}",
+            "x_axis": "step",
+            "y_axis_scale": "linear",
+            "line_smoothness": "1",
+            "show_point": "true",
+            "deselected_curves": "[]",
+            "last_linear_y_axis_range": "[]",
+        }
+        return f"{self._ui_base()}/#/metric?{urllib.parse.urlencode(query)}&{ML_VIEW}"
+
+    def compare_url(self, run_ids: list[str]) -> str:
+        """MLflow's compare-runs page of ``run_ids`` (e.g. two round runs)."""
+        query = {"runs": _compact(run_ids), "experiments": _compact([self._experiment()])}
+        return f"{self._ui_base()}/#/compare-runs?{urllib.parse.urlencode(query)}&{ML_VIEW}"
+
+    def _ui_base(self) -> str:
+        base = self.uri if self.uri and self.uri.startswith("http") else UI_URL
+        return base.rstrip("/")
+
+    def _experiment(self) -> str:
+        return str(getattr(self, "experiment_id", "0"))
+
+    # -- the run tree of one flow invocation ---------------------------------------------------
+    def begin(
+        self,
+        name: str,
+        *,
+        run: str,
+        rounds: int,
+        params: dict[str, Any] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        """Start a flow's run tree: nothing is created until a stage logs something new. The
+        parent run will be named ``<name> <start time>``; ``rounds`` is how far the reference
+        lines reach."""
+        if not self.enabled:
+            return
+        now = datetime.now()
+        self._flywheel = _Flywheel(
+            name=f"{name} {now:%Y-%m-%d %H:%M}",
+            run=run,
+            rounds=rounds,
+            params=params or {},
+            tags={"run": run, "rounds": str(rounds), **(tags or {})},
+            start_ms=int(now.timestamp() * 1000),
+        )
+
+    def finish(self, status: str = "FINISHED") -> str | None:
+        """End the flow's run tree; return its parent run: the one created, or, when every
+        artifact already had its run, the existing parent run of the latest one (None when
+        tracking is off)."""
+        fw, self._flywheel = self._flywheel, None
+        if not self.enabled or fw is None:
+            return None
+        if fw.run_id is None and status != "FINISHED":
+            self._parent(fw)  # a failure is worth a run even when nothing new was logged
+        if fw.run_id is not None:
+            self.end(fw.run_id, status)
+            return fw.run_id
+        return self._top(fw.last_reused)
+
+    def _parent(self, fw: _Flywheel) -> str:
+        """The parent run of ``fw``, created (with its params and pending curve) on first use."""
+        if fw.run_id is None:
+            tags = {k: redact(str(v)) for k, v in fw.tags.items()}
+            run = self._mlflow.create_run(
+                self.experiment_id, start_time=fw.start_ms, run_name=fw.name, tags=tags
+            )
+            fw.run_id = run.info.run_id
+            self.log_params(fw.run_id, fw.params)
+            self._log_batch(fw.run_id, fw.pending)
+            fw.pending = []
+        return fw.run_id
+
+    def _top(self, run: Run | None) -> str | None:
+        """The top-level run above a stage run (stage -> round -> parent)."""
+        while run is not None and PARENT_TAG in run.data.tags:
+            run = self._mlflow.get_run(run.data.tags[PARENT_TAG])
+        return run.info.run_id if run is not None else None
+
+    # -- generic runs --------------------------------------------------------------------------
+    def start(
+        self, name: str, parent: str | None = None, tags: dict[str, str] | None = None
+    ) -> str | None:
+        if not self.enabled:
+            return None
+        return self._create_run(name, parent, tags)
+
     def _create_run(
         self, name: str, parent: str | None = None, tags: dict[str, str] | None = None
     ) -> str:
         all_tags = {k: redact(str(v)) for k, v in (tags or {}).items()}
         if parent:
-            all_tags["mlflow.parentRunId"] = parent
+            all_tags[PARENT_TAG] = parent
         run = self._mlflow.create_run(self.experiment_id, run_name=name, tags=all_tags)
         return run.info.run_id
 
@@ -129,26 +318,69 @@ class Tracker:
             for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         ]
+        self._log_batch(run_id, items)
+
+    def _log_batch(self, run_id: str, items: list[Metric]) -> None:
         for i in range(0, len(items), 500):
             self._mlflow.log_batch(run_id, metrics=items[i : i + 500])
 
-    def log_stage(self, parent: str | None, store: Store, ref: ArtifactRef, cached: bool) -> None:
-        """A run for one stage's artifact, nested in its round's run under ``parent``."""
+    def log_file(
+        self, run_id: str | None, path: str | Path, artifact_path: str | None = None
+    ) -> None:
+        """Attach a file, or a folder's files (e.g. the HTML report), to a run as artifacts; a
+        later call with a file of the same name replaces it."""
+        if self.enabled and run_id:
+            if Path(path).is_dir():
+                self._mlflow.log_artifacts(run_id, str(path), artifact_path)
+            else:
+                self._mlflow.log_artifact(run_id, str(path), artifact_path)
+
+    # -- stages ----------------------------------------------------------------------------------
+    def log_stage(self, store: Store, ref: ArtifactRef, cached: bool) -> None:
+        """Log one stage's artifact into the run tree begun by ``begin``: reuse its run when one
+        exists, else create it under its round's run; register checkpoints; add evaluations to
+        the learning curve and to their checkpoint's model version."""
         if not self.enabled:
             return
+        fw = self._flywheel
+        assert fw is not None, "Tracker.log_stage before Tracker.begin"
+        existing = self._stage_run(store, ref)
+        if existing is not None:
+            run_id = existing.info.run_id
+            fw.last_reused = existing
+        else:
+            run_id = self._new_stage_run(fw, store, ref, cached)
+        if ref.kind == "checkpoints":
+            self._register(fw, store, ref, run_id)
+        if ref.kind == "eval":
+            self._log_evaluation(fw, ref)
+
+    def _stage_run(self, store: Store, ref: ArtifactRef) -> Run | None:
+        """The run an earlier flow made for this artifact of this store, if any (not deleted)."""
+        runs = self._mlflow.search_runs(
+            [self.experiment_id], filter_string=f"tags.artifact_id = '{ref.id}'", max_results=100
+        )
+        mine = [r for r in runs if r.data.tags.get("store") == _store_key(store)]
+        return min(mine, key=lambda r: r.info.start_time) if mine else None
+
+    def _new_stage_run(self, fw: _Flywheel, store: Store, ref: ArtifactRef, cached: bool) -> str:
+        round_run = self.round_run(self._parent(fw), ref.round)
         run_id = self._create_run(
             ref.stage,
-            self.round_run(parent, ref.round),
+            round_run,
             tags={
                 "artifact_id": ref.id,
                 "inputs": ",".join(ref.inputs),
                 "cached": str(cached).lower(),
                 "round": str(ref.round),
                 "kind": ref.kind,
+                "store": _store_key(store),
             },
         )
         self.log_params(run_id, ref.manifest.get("config", {}))
         self.log_metrics(run_id, ref.summary, step=ref.round)
+        if ref.kind == "eval" and ref.manifest.get("policy_stage") not in REFERENCES:
+            self.log_metrics(round_run, ref.summary, step=ref.round)
         folder = store.local_path(ref) if ref.kind == "checkpoints" or store.local else None
         if folder is not None and (folder / TRAIN_LOG).exists():
             self._log_curve(run_id, folder / TRAIN_LOG)
@@ -160,6 +392,67 @@ class Tracker:
             for png in sorted(folder.glob("*.png")):
                 self._mlflow.log_artifact(run_id, str(png))
         self.end(run_id)
+        return run_id
+
+    def _log_evaluation(self, fw: _Flywheel, ref: ArtifactRef) -> None:
+        """The eval's headline metrics: a point of the parent's curve (or a flat reference line
+        for init and the baselines), and tags on the evaluated checkpoint's model version."""
+        from mlflow.entities import Metric
+
+        values = headline(ref)
+        policy = str(ref.manifest.get("policy_stage", ""))
+        now = int(time.time() * 1000)
+        if policy in REFERENCES:
+            points = [
+                Metric(f"{k.split('/', 1)[0]}/{policy}/{k.split('/', 1)[1]}", v, now, step)
+                for k, v in values.items()
+                for step in range(fw.rounds + 1)
+            ]
+        else:
+            points = [Metric(k, v, now, ref.round) for k, v in values.items()]
+        if fw.run_id is None:
+            fw.pending.extend(points)
+        else:
+            self._log_batch(fw.run_id, points)
+        version = fw.versions.get(str(ref.manifest.get("policy", "")))
+        if version is not None:
+            name = model_name(fw.run)
+            for key, value in {"eval_id": ref.id, **values}.items():
+                self._mlflow.set_model_version_tag(name, version, key, str(value))
+
+    def _register(self, fw: _Flywheel, store: Store, ref: ArtifactRef, run_id: str) -> None:
+        """A model version for a checkpoint, unless one with its artifact id exists."""
+        from mlflow.exceptions import MlflowException
+
+        name = model_name(fw.run)
+        found = self._mlflow.search_model_versions(
+            f"name = '{name}' and tags.artifact_id = '{ref.id}'"
+        )
+        if found:
+            fw.versions[ref.id] = str(found[0].version)
+            return
+        source = str(store.local_path(ref)) if store.local else ref.path
+        try:
+            try:
+                self._mlflow.get_registered_model(name)
+            except MlflowException:
+                self._mlflow.create_registered_model(
+                    name, tags={"run": fw.run}, description=f"Policy checkpoints of {fw.run}."
+                )
+            version = self._mlflow.create_model_version(
+                name,
+                redact(source),
+                run_id=run_id,
+                tags={"artifact_id": ref.id, "stage": ref.stage, "round": str(ref.round)},
+                description=f"{ref.stage} policy, round {ref.round}",
+            )
+        except MlflowException as err:
+            # A tracking server refuses a source path on this machine's disk (it cannot read it).
+            if not self._warned_registry:
+                print(f"mlflow: checkpoints not registered: {err.message}", file=sys.stderr)
+                self._warned_registry = True
+            return
+        fw.versions[ref.id] = str(version.version)
 
     def _log_curve(self, run_id: str, path: Path) -> None:
         from mlflow.entities import Metric
@@ -183,8 +476,17 @@ class Tracker:
             ):
                 if isinstance(entry.get(key), (int, float)):
                     items.append(Metric(f"train/{key}", float(entry[key]), now, step))
-        for i in range(0, len(items), 500):
-            self._mlflow.log_batch(run_id, metrics=items[i : i + 500])
+        self._log_batch(run_id, items)
+
+
+def _compact(value: Any) -> str:
+    """JSON without spaces: the UI reads its query values as JSON and a space would be a '+'."""
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _store_key(store: Store) -> str:
+    """Which store an artifact lives in (ids are equal across stores with equal configs)."""
+    return redact(f"{store.root_url.rstrip('/')}/{store.run}")
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

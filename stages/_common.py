@@ -10,6 +10,7 @@ from typing import Any, cast
 import polars as pl
 
 from flywheel.envs import EnvSuite, Task, row_to_task
+from flywheel.progress import Progress, say
 from flywheel.store import ArtifactRef, ArtifactWriter, Store
 
 
@@ -78,34 +79,48 @@ def run_in_shards(
     *,
     shard_size: int,
     samples_per_task: int,
-    rollout: Callable[[EnvSuite, list[Task], int], list[dict[str, Any]]],
+    rollout: Callable[
+        [EnvSuite, list[Task], int, Callable[[int, int], None]], list[dict[str, Any]]
+    ],
     label: str,
 ) -> None:
     """Cut every env's tasks into shards of about ``shard_size`` episodes (a task's K samples
     stay in one shard), run the shards the writer does not have yet, write each as it ends.
 
-    ``rollout(suite, tasks, shard_index)`` returns the shard's rows; the shard index seeds it, so
-    a shard redone after a crash samples the same way."""
+    ``rollout(suite, tasks, shard_index, progress)`` returns the shard's rows; the shard index
+    seeds it, so a shard redone after a crash samples the same way. ``progress(finished, total)``
+    (the agent loop's callback) moves the progress bar episode by episode; each written shard
+    prints its line (``explore: shard 2/5 arith: 8 episodes, success 50.0%, ...``)."""
     tasks_per_shard = max(1, shard_size // samples_per_task)
     plan = []
     for suite, tasks in tasks_by_env:
         for start in range(0, len(tasks), tasks_per_shard):
             plan.append((suite, tasks[start : start + tasks_per_shard]))
-    done = set(writer.finished_shards())
-    if done:
-        print(f"{label}: resuming, {len(done)}/{len(plan)} shards already written")
-    for index, (suite, chunk) in enumerate(plan):
-        if index in done:
-            continue
-        t0 = time.time()
-        rows = rollout(suite, chunk, index)
-        writer.write_shard(index, rows)
-        ok = sum(r["success"] for r in rows) / max(len(rows), 1)
-        print(
-            f"{label}: shard {index + 1}/{len(plan)} {suite.name}: {len(rows)} episodes, "
-            f"success {ok:.1%}, {time.time() - t0:.1f}s",
-            flush=True,
-        )
+    finished = set(writer.finished_shards())
+    if finished:
+        say(f"{label}: resuming, {len(finished)}/{len(plan)} shards already written")
+    total = sum(len(chunk) for _, chunk in plan) * samples_per_task
+    kept = sum(len(chunk) for i, (_, chunk) in enumerate(plan) if i in finished)
+    with Progress(f"{label}:", total, unit="episodes", done=kept * samples_per_task) as bar:
+        for index, (suite, chunk) in enumerate(plan):
+            if index in finished:
+                continue
+            t0, start = time.time(), bar.done
+
+            def advance(episodes: int, _total: int, start: int = start) -> None:
+                bar.update(start + episodes - bar.done)
+
+            rows = rollout(suite, chunk, index, advance)
+            writer.write_shard(index, rows)
+            tokens = sum(int(r.get("tokens") or 0) for r in rows)
+            bar.update(start + len(rows) - bar.done, tokens=tokens)
+            ok = sum(r["success"] for r in rows) / max(len(rows), 1)
+            took = max(time.time() - t0, 1e-9)
+            bar.note(
+                f"{label}: shard {index + 1}/{len(plan)} {suite.name}: {len(rows)} episodes, "
+                f"success {ok:.1%}, {took:.1f}s, {len(rows) / took:.2f} episodes/s, "
+                f"{tokens / took:.0f} tok/s"
+            )
 
 
 def validation_config(cfg: Any, section: Any) -> dict[str, Any] | None:

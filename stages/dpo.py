@@ -41,6 +41,7 @@ from flywheel.checkpoint import (
     write_train_log,
 )
 from flywheel.config import Config, DpoConfig, TrainSection
+from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import LossParams, compute_ref_logps, train
 from stages._common import validation, validation_config, validation_inputs
@@ -190,7 +191,7 @@ def run(
         ref_model = copy.deepcopy(model)
 
     num_params = sum(p.numel() for p in model.parameters())
-    print(
+    say(
         f"dpo: round {round}, {len(examples)} pairs from {pairs.id}, beta {params.beta}, lr {tc.lr:g}, "
         f"{dc.reference} reference"
     )

@@ -67,7 +67,7 @@ def run(
         cfg, store, policy, tasks, split="test", limit=ev.n_tasks
     )
 
-    def rollout(suite, chunk, shard):
+    def rollout(suite, chunk, shard, progress):
         sampling = SamplingParams(
             temperature=ev.temperature, max_new_tokens=cfg.engine.max_new_tokens, seed=shard
         )
@@ -80,6 +80,7 @@ def run(
             max_steps=max_steps[suite.name],
             seed=shard,
             env_workers=cfg.engine.env_workers,
+            progress=progress,
         )
         difficulty = {t.task_id: t.difficulty for t in chunk}
         return [

@@ -22,6 +22,7 @@ import polars as pl
 from flywheel.agent import expert_episodes
 from flywheel.config import Config
 from flywheel.envs import make_suite
+from flywheel.progress import Progress
 from flywheel.store import ArtifactRef, Store
 from stages._common import load_tasks, trajectory_rows
 
@@ -59,13 +60,15 @@ def run(
                 env_tasks = load_tasks(store, ref, env=env_cfg.name, split=split)
                 if split == "train":
                     env_tasks = spread(env_tasks, cfg.expert.n_tasks)
-                episodes = expert_episodes(suite, env_tasks)
-                rows = trajectory_rows(episodes, round=0, policy="oracle", source="expert")
-                w.write_shard(shard, rows)
-                ok = sum(r["success"] for r in rows) / max(len(rows), 1)
-                print(
-                    f"expert: {env_cfg.name} {split}: {len(rows)} trajectories, oracle success {ok:.1%}"
-                )
+                label = f"expert: {env_cfg.name} {split}:"
+                with Progress(label, len(env_tasks), unit="episodes") as bar:
+                    episodes = expert_episodes(
+                        suite, env_tasks, progress=lambda n, _: bar.update(n - bar.done)
+                    )
+                    rows = trajectory_rows(episodes, round=0, policy="oracle", source="expert")
+                    w.write_shard(shard, rows)
+                    ok = sum(r["success"] for r in rows) / max(len(rows), 1)
+                    bar.close(f"{label} {len(rows)} trajectories, oracle success {ok:.1%}")
             shard += 1
     # From every shard, so a run resumed after a crash still summarises the envs done before it.
     done = cast(pl.DataFrame, pl.from_arrow(w.read_shards().select(["env", "split", "success"])))

@@ -60,7 +60,7 @@ def run(
         cfg, store, policy, tasks, split="train", limit=ex.n_tasks, window=round - 1
     )
 
-    def rollout(suite, chunk, shard):
+    def rollout(suite, chunk, shard, progress):
         sampling = SamplingParams(
             temperature=ex.temperature,
             top_p=ex.top_p,
@@ -76,6 +76,7 @@ def run(
             max_steps=max_steps[suite.name],
             seed=sampling.seed,
             env_workers=cfg.engine.env_workers,
+            progress=progress,
         )
         return trajectory_rows(episodes, round=round, policy=policy.id, source="explore")
 

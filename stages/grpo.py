@@ -43,6 +43,7 @@ from flywheel.checkpoint import (
     write_train_log,
 )
 from flywheel.config import Config, GrpoConfig
+from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import LossParams, train
 from flywheel.training.losses import anneal, efficiency_reward, group_advantages
@@ -220,7 +221,7 @@ def run(
     if behaviour != {policy.id}:
         # Legal (a curriculum stage starts from the previous stage's checkpoint), but the ratios
         # start away from 1 and PPO's clip does more of the work.
-        print(
+        say(
             f"grpo: note: groups were sampled by {sorted(behaviour)}, training starts from {policy.id}"
         )
 
@@ -247,7 +248,7 @@ def run(
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     used = counts["groups_in"] - (counts["groups_flat"] if gc.drop_flat_groups else 0)
-    print(
+    say(
         f"grpo: round {round}, {used} groups ({counts['groups_flat']} flat), {len(examples) - n_expert} "
         f"trajectories from {groups.id}"
         + (f", efficiency reward s_tool {s_tool:g} s_len {s_len:g}" if gc.efficiency_reward else "")

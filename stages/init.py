@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from flywheel.checkpoint import write_checkpoint
 from flywheel.config import Config
+from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 
 
@@ -69,7 +70,7 @@ def run(
         base=base or "embedded",
         summary={"vocab_size": len(tokenizer)},
     )
-    print(
+    say(
         f"init: {ref.summary['num_params']:,} parameters, vocabulary {len(tokenizer):,} ({base or 'embedded'})"
     )
     return ref

@@ -28,6 +28,7 @@ from data_contracts import groups as groups_contract
 from data_contracts import pairs as pairs_contract
 from flywheel.config import Config, ParetoConfig  # noqa: F401 - re-exported for callers
 from flywheel.pareto import GROUP, build_pairs, select_groups, trajectory_ranks
+from flywheel.progress import say
 from flywheel.store import ArtifactRef, ArtifactWriter, Store
 
 PLOT = "groups.png"
@@ -97,7 +98,7 @@ def run(
         n_tasks = traj.select(pl.struct(GROUP).n_unique()).item()
         _write(w_pairs, _pairs_table(pairs, round), pc.shard_rows)
         w_pairs.commit(summary=_pairs_summary(pairs, n_tasks))
-        print(f"pareto: {len(pairs)} pairs over {n_tasks} tasks")
+        say(f"pareto: {len(pairs)} pairs over {n_tasks} tasks")
     if not w_groups.cached:
         groups = select_groups(traj, budget=pc.budget, graded_threshold=pc.graded_threshold)
         table = _groups_table(traj, groups, round)
@@ -105,7 +106,7 @@ def run(
         _plot(groups, w_groups.local_dir() / PLOT)
         summary = _groups_summary(groups, table.num_rows)
         w_groups.commit(summary=summary)
-        print(
+        say(
             f"pareto: {summary['groups_selected']} of {summary['groups_eligible']} eligible groups selected"
         )
     return w_pairs.ref, w_groups.ref

@@ -19,6 +19,7 @@ import polars as pl
 from flywheel.checkpoint import load_policy, train_summary, write_checkpoint, write_train_log
 from flywheel.config import Config
 from flywheel.pareto import trajectory_ranks
+from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import train
 from stages._common import validation, validation_config, validation_inputs
@@ -96,7 +97,7 @@ def run(
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     tasks = chosen.select("env", "task_id").n_unique() if n_own else 0
-    print(
+    say(
         f"rft: {n_own} successful trajectories of {tasks} tasks"
         + (f" + {len(examples) - n_own} expert" if rc.with_expert else "")
     )

@@ -26,6 +26,7 @@ from flywheel.checkpoint import (
     write_train_log,
 )
 from flywheel.config import Config, SftConfig
+from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import train
 from stages._common import validation, validation_config, validation_inputs
@@ -117,7 +118,7 @@ def run(
     validate = validation(cfg, sc, store, tokenizer, val_tasks, val_demos)
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
+    say(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
     result = train(
         model, examples, loss="sft", cfg=sc, seed=cfg.run.seed, out_dir=out, log=log,
         validate=validate, log_every=cfg.run.log_every,

@@ -17,6 +17,7 @@ from typing import Any
 
 from flywheel.checkpoint import load_policy, train_summary, write_checkpoint, write_train_log
 from flywheel.config import Config
+from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.loop import train
 from stages._common import validation, validation_config, validation_inputs
@@ -92,7 +93,7 @@ def run(
     validate = validation(cfg, sc, store, tokenizer, val_tasks, val_demos)
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
-    print(
+    say(
         f"sft_more: {len(examples)} expert trajectories, budget {target} {sc.match} "
         f"(the rounds' {', '.join(r.id for r in rounds)})"
     )

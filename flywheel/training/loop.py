@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from flywheel.config import TrainSection
+from flywheel.progress import Progress
 from flywheel.training import data, losses
 from flywheel.training.prebuild import ensure_extensions_dir
 
@@ -151,8 +152,9 @@ def train(
     fingerprint = _fingerprint(cfg, seed, params, loss, lengths, world, max_tokens)
     st = _load_state(engine, state_dir, fingerprint)
     step, epoch, batch_index, history = st.step, st.epoch, st.batch_index, st.history
-    if step and rank == 0:
-        print(f"[train {loss}] resumed at step {step}/{total} from {state_dir}", flush=True)
+    bar = Progress(f"[train {loss}]", total, unit="steps", done=step, enabled=rank == 0)
+    if step:
+        bar.note(f"[train {loss}] resumed at step {step}/{total} from {state_dir}")
 
     def check(at: int, record: dict[str, float]) -> None:
         """Validate now; keep the weights when they beat the best by more than min_delta."""
@@ -164,68 +166,70 @@ def train(
             _save_hf(engine, out_dir / BEST_DIR, cfg.zero_stage)
         else:
             st.bad += 1
-        if rank == 0:
-            line = "  ".join(f"{k} {v:.4f}" for k, v in found.items() if k != "score")
-            print(
-                f"[train {loss}] validate step {at}: {line} (best step {st.best_step}, "
-                f"{st.bad}/{cfg.patience} without improvement)",
-                flush=True,
-            )
+        line = "  ".join(f"{k} {v:.4f}" for k, v in found.items() if k != "score")
+        bar.note(
+            f"[train {loss}] validate step {at}: {line} (best step {st.best_step}, "
+            f"{st.bad}/{cfg.patience} without improvement)"
+        )
 
-    if validating and st.best_score is None:
-        first: dict[str, float] = {"step": 0}
-        check(0, first)
-        st.validations.append(first)
+    try:
+        if validating and st.best_score is None:
+            first: dict[str, float] = {"step": 0}
+            check(0, first)
+            st.validations.append(first)
 
-    engine.train()
-    every = log_every or max(1, total // 20)
-    window_tokens, window_start = 0, time.perf_counter()
-    local, local_epoch = [], -1
-    reason = "steps"
-    while step < total:
-        if max_tokens is not None and st.tokens >= max_tokens:
-            reason = "tokens"
-            break
-        if validating and st.bad >= cfg.patience:
-            reason = "patience"
-            break
-        if local_epoch != epoch:
-            local, local_epoch = _local_batches(lengths, cfg, seed, epoch, rank, world), epoch
-        group = local[batch_index : batch_index + cfg.grad_accum]
-        lr = scheduler.get_last_lr()[0]
-        micro_batches = [[examples[i] for i in b] for b in group]
-        record = _train_step(engine, micro_batches, loss, params, ref_model)
-        step += 1
-        st.tokens += int(record["tokens"])
-        record.update(step=step, epoch=epoch, lr=lr)
-        batch_index += len(group)
-        if batch_index >= len(local):
-            epoch, batch_index = epoch + 1, 0
-        out_of_tokens = max_tokens is not None and st.tokens >= max_tokens
-        if validating and (step % cfg.val_every == 0 or step == total or out_of_tokens):
-            check(step, record)  # the last step is always validated, whatever ends the run
-        history.append(record)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
-            st.step, st.epoch, st.batch_index = step, epoch, batch_index
-            _save_state(engine, state_dir, fingerprint, st)
-        window_tokens += int(record["tokens"])
-        if rank == 0 and (step % every == 0 or step == total):
-            speed = window_tokens / max(time.perf_counter() - window_start, 1e-9)
-            line = f"step {step}/{total} loss {record['loss']:.4f} lr {lr:.2e} {speed:.0f} tok/s"
-            print(f"[train {loss}] {line}", flush=True)
-            window_tokens, window_start = 0, time.perf_counter()
-        if log is not None:
-            log(record)
+        engine.train()
+        every = log_every or max(1, total // 20)
+        window_tokens, window_start = 0, time.perf_counter()
+        local, local_epoch = [], -1
+        reason = "steps"
+        while step < total:
+            if max_tokens is not None and st.tokens >= max_tokens:
+                reason = "tokens"
+                break
+            if validating and st.bad >= cfg.patience:
+                reason = "patience"
+                break
+            if local_epoch != epoch:
+                local, local_epoch = _local_batches(lengths, cfg, seed, epoch, rank, world), epoch
+            group = local[batch_index : batch_index + cfg.grad_accum]
+            lr = scheduler.get_last_lr()[0]
+            micro_batches = [[examples[i] for i in b] for b in group]
+            record = _train_step(engine, micro_batches, loss, params, ref_model)
+            step += 1
+            st.tokens += int(record["tokens"])
+            record.update(step=step, epoch=epoch, lr=lr)
+            batch_index += len(group)
+            if batch_index >= len(local):
+                epoch, batch_index = epoch + 1, 0
+            out_of_tokens = max_tokens is not None and st.tokens >= max_tokens
+            if validating and (step % cfg.val_every == 0 or step == total or out_of_tokens):
+                check(step, record)  # the last step is always validated, whatever ends the run
+            history.append(record)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
+                st.step, st.epoch, st.batch_index = step, epoch, batch_index
+                _save_state(engine, state_dir, fingerprint, st)
+            window_tokens += int(record["tokens"])
+            bar.update(1, tokens=int(record["tokens"]), loss=record["loss"])
+            if step % every == 0 or step == total:
+                speed = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+                line = (
+                    f"step {step}/{total} loss {record['loss']:.4f} lr {lr:.2e} {speed:.0f} tok/s"
+                )
+                bar.line(f"[train {loss}] {line}, {bar.rate()}, {bar.eta()}")
+                window_tokens, window_start = 0, time.perf_counter()
+            if log is not None:
+                log(record)
+    finally:
+        bar.close()  # on a TTY the bar keeps its own line, also when a step fails
 
     if reason == "steps" and max_tokens is not None and st.tokens >= max_tokens:
         reason = "tokens"  # the budget ran out on the last step
     if validating:
-        if rank == 0:
-            print(
-                f"[train {loss}] kept step {st.best_step} (val score {st.best_score:.4f}); "
-                f"stopped at step {step}/{total} ({reason})",
-                flush=True,
-            )
+        bar.note(
+            f"[train {loss}] kept step {st.best_step} (val score {st.best_score:.4f}); "
+            f"stopped at step {step}/{total} ({reason})"
+        )
         dist.barrier()
         if rank == 0:
             _adopt_best(out_dir)
@@ -390,7 +394,7 @@ def compute_ref_logps(
     chosen, rejected = [0.0] * len(examples), [0.0] * len(examples)
     was_training = model.training
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), Progress("[dpo reference]", len(order), unit="pairs") as bar:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             batch = {
@@ -403,6 +407,8 @@ def compute_ref_logps(
                     idx, losses.sequence_logprob(logits, ids, mask).tolist(), strict=True
                 ):
                     out[i] = value
+            tokens = sum(int(batch[f"{s}_attention_mask"].sum()) for s in ("chosen", "rejected"))
+            bar.update(len(idx), tokens=tokens)
     model.train(was_training)
     return chosen, rejected
 

@@ -185,3 +185,13 @@ def test_report_json(tiny_flywheel, capsys):
     assert table[0].split()[:4] == ["round", "policy", "env", "success"]
     assert [line.split()[1] for line in table[2 : 2 + len(rows)]] == [r["policy"] for r in rows]
     assert "±" in table[2] and any(line.startswith("  round 1 dpo") for line in table)
+
+
+def test_run_writes_the_html_report_of_its_evaluations(tiny_flywheel):
+    """`flywheel run` ends by writing the HTML report of the run (and naming it)."""
+    page = tiny_flywheel.root / "work" / "report" / "tiny" / "index.html"
+    assert f"HTML report: {page}" in tiny_flywheel.printed
+    html = page.read_text()
+    for row in tiny_flywheel.report:
+        assert row["eval_id"] in html, row["eval_id"]
+    assert list((page.parent / "trajectories").glob("round-1-*-best.html"))

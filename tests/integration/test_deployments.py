@@ -22,15 +22,8 @@ import httpx
 import pytest
 
 from flywheel import serve
-
-ROOT = Path(__file__).resolve().parents[2]
-HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+from tests.browser.prefect_helpers import HOST, ROOT
+from tests.browser.prefect_helpers import free_port as _free_port
 
 
 @pytest.fixture

@@ -1,0 +1,190 @@
+"""The real MLflow UI on a tracked 2-round tiny flywheel, in headless Chromium: the experiment
+lands on its runs, the parent run's learning curve shows the rounds' success rates, and the
+compare-runs page of round 1 and round 2 shows the eval artifacts' numbers.
+
+    pytest tests/browser/test_mlflow_ui.py
+    FLYWHEEL_SCREENSHOTS=docs/images pytest tests/browser/test_mlflow_ui.py   # README pictures
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from flywheel.config import load_config
+from flywheel.store import ArtifactRef, Store
+from flywheel.tracking import Tracker
+from tests.conftest import run_flywheel, stage_lines, tiny_overrides
+from tests.flywheel.test_tracking import MLFLOW_LINE, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+WAIT = 60  # seconds for a page element; a page normally renders in 1-3 s
+
+
+@dataclass
+class Tracked:
+    tracker: Tracker
+    parent: str
+    rounds: dict[int, str]  # round -> its round run
+    evals: dict[int, ArtifactRef]  # round -> the evaluation of its policy
+    baselines: dict[str, ArtifactRef]  # sft_more, rft -> their evaluations
+    url: str = ""
+
+
+@pytest.fixture(scope="module")
+def tracked(tiny_flywheel, tmp_path_factory) -> Iterator[Tracked]:
+    """The tiny flywheel with 2 rounds and tracking on (rounds 0-1 are cache hits in a copy of
+    the shared run's store), and ``mlflow server`` on its SQLite database."""
+    root = tmp_path_factory.mktemp("mlflow-ui")
+    shutil.copytree(tiny_flywheel.root / "store", root / "store")
+    overrides = tiny_overrides(root, "run.rounds=2", "tracking.enabled=true")
+    printed, _, _ = run_flywheel(overrides)
+    (parent,) = MLFLOW_LINE.findall(printed)
+    cfg = load_config(None, overrides)
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    evals = [store.get(a) for _, s, _, a in stage_lines(printed) if s == "evaluate"]
+    tracker = Tracker(cfg.tracking_uri(), cfg.tracking.experiment)
+    assert tracker.client is not None
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'"
+    )
+    data = Tracked(
+        tracker=tracker,
+        parent=parent,
+        rounds={int(r.data.tags["round"]): r.info.run_id for r in runs},
+        evals={e.round: e for e in evals if e.manifest["policy_stage"] in ("sft", "dpo", "grpo")},
+        baselines={p: e for e in evals if (p := e.manifest["policy_stage"]) in ("sft_more", "rft")},
+    )
+    assert sorted(data.rounds) == sorted(data.evals) == [0, 1, 2], printed[-3000:]
+    url, proc = start_server(cfg.tracking_uri(), root)
+    data.url = url
+    data.tracker.uri = url  # the links point at this server
+    try:
+        yield data
+    finally:
+        stop_server(proc)
+
+
+def wait_for(browser, css: str, text: str | None = None, timeout: float = WAIT):
+    """The elements matching ``css`` once one of them is shown (and one holds ``text``, shown
+    or scrolled out of its table's view)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def found(driver):
+        elements = driver.find_elements(By.CSS_SELECTOR, css)
+        if not any(e.is_displayed() for e in elements):
+            return False
+        if text is not None and not any(text in content(e) for e in elements):
+            return False
+        return elements
+
+    return WebDriverWait(browser, timeout, poll_frequency=0.25).until(
+        found, f"no {css!r}{f' with {text!r}' if text else ''} on {browser.current_url}"
+    )
+
+
+def content(element) -> str:
+    """An element's text, also where its table clips it from view (Selenium's ``.text`` is
+    the visible text only)."""
+    return (element.get_attribute("textContent") or "").strip()
+
+
+def close_assistant(browser) -> None:
+    """Hide MLflow's assistant side panel, so the screenshots show the page."""
+    from selenium.webdriver.common.by import By
+
+    for button in browser.find_elements(By.CSS_SELECTOR, "[data-assistant-ui] button"):
+        if (button.get_attribute("aria-label") or "").lower() == "close":
+            button.click()
+            return
+
+
+def number(text: str) -> float:
+    return float(text.split("(")[0].strip().replace(",", ""))
+
+
+def test_experiment_lands_on_runs_and_rounds_compare(tracked, browser, screenshot):
+    from selenium.webdriver.common.by import By
+
+    # the experiment opens on its runs table (not the GenAI overview), parent run listed
+    browser.get(tracked.tracker.ui_url())
+    parent_name = tracked.tracker._mlflow.get_run(tracked.parent).info.run_name
+    wait_for(browser, "body", parent_name)
+    assert "/runs" in browser.current_url and "/overview" not in browser.current_url
+
+    # the learning curve: the rounds' success on one chart with init and the baselines
+    keys = ["arith/success_rate", *(f"arith/{p}/success_rate" for p in ("init", "sft_more", "rft"))]
+    browser.get(tracked.tracker.chart_url([tracked.parent], keys))
+    wait_for(browser, ".js-plotly-plot, .plot-container, svg.main-svg")
+    rows = wait_for(browser, "tr, [role=row]", "(step=2)")
+    shown = {}
+    for row in rows:
+        cells = [c.text for c in row.find_elements(By.CSS_SELECTOR, "td, [role=cell]")]
+        if len(cells) >= 4 and cells[0] in keys:
+            shown[cells[0]] = cells[1:4]  # latest, min, max
+    assert set(shown) == set(keys), shown
+    rates = {r: e.summary["arith/success_rate"] for r, e in tracked.evals.items()}
+    latest, low, high = shown["arith/success_rate"]
+    assert latest.endswith("(step=2)") and number(latest) == pytest.approx(rates[2], abs=1e-3)
+    assert number(low) == pytest.approx(min(rates.values()), abs=1e-3)
+    assert number(high) == pytest.approx(max(rates.values()), abs=1e-3)
+    for policy in ("sft_more", "rft"):
+        value = tracked.baselines[policy].summary["arith/success_rate"]
+        assert number(shown[f"arith/{policy}/success_rate"][0]) == pytest.approx(value, abs=1e-3)
+    close_assistant(browser)
+    screenshot("mlflow-learning-curve")
+
+    # round 1 against round 2 on MLflow's compare-runs page: every number of both evaluations
+    pair = [tracked.rounds[1], tracked.rounds[2]]
+    browser.get(tracked.tracker.compare_url(pair))
+    wait_for(browser, "body", "Comparing 2 Runs")
+    names = wait_for(browser, "a[title='Plot chart']", "arith/success_rate")
+    grid = shown_grid(browser, names, pair)
+    header = browser.find_element(By.CSS_SELECTOR, "thead")
+    browser.execute_script(
+        "arguments[0].scrollIntoView({block: 'start', inline: 'nearest'});"
+        "document.querySelectorAll('[role=grid]').forEach(g => { g.scrollLeft = 0; });",
+        header,
+    )
+    for round_, run_id in zip((1, 2), pair, strict=True):
+        summary = tracked.evals[round_].summary
+        numeric = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
+        assert set(grid[run_id]) == set(numeric), (round_, grid[run_id])
+        for key, value in numeric.items():
+            assert math.isclose(number(grid[run_id][key]), value, abs_tol=1e-3), (round_, key)
+    headers = browser.find_element(By.CSS_SELECTOR, "body").text
+    assert "round-1" in headers and "round-2" in headers
+    close_assistant(browser)
+    screenshot("mlflow-compare-rounds")
+
+
+def shown_grid(browser, names: list, run_ids: list[str]) -> dict[str, dict[str, str]]:
+    """run id -> metric -> the value shown in the compare page's metrics table, matched by
+    position: a value sits in its metric's row and under its run's column header."""
+    from selenium.webdriver.common.by import By
+
+    columns = {}
+    for link in browser.find_elements(By.CSS_SELECTOR, "thead a"):
+        if content(link) in run_ids:
+            columns[content(link)] = link.rect["x"] + link.rect["width"] / 2
+    assert set(columns) == set(run_ids), columns
+    # the values grid is the next grid after the one holding the metric names
+    name_grid = names[0].find_element(By.XPATH, "ancestor::div[@role='grid']")
+    values = name_grid.find_elements(
+        By.XPATH, "following::div[@role='grid'][1]//span[normalize-space(text())!='']"
+    )
+    rows = {content(n): n.rect["y"] + n.rect["height"] / 2 for n in names if content(n)}
+    out: dict[str, dict[str, str]] = {r: {} for r in run_ids}
+    for cell in values:
+        y = cell.rect["y"] + cell.rect["height"] / 2
+        x = cell.rect["x"] + cell.rect["width"] / 2
+        metric = min(rows, key=lambda k: abs(rows[k] - y))
+        run = min(columns, key=lambda k: abs(columns[k] - x))
+        if abs(rows[metric] - y) < 12:
+            out[run][metric] = content(cell)
+    return out

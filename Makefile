@@ -42,9 +42,11 @@ browser:
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium chromium-driver; \
 	fi
 
-# Re-make the README's screenshots (docs/images/*.png) from the browser tests.
+# Re-make the README's screenshots (docs/images/*.png) from the browser tests, after `make demo`:
+# the MLflow and HTML-report pictures are of the demo's run (a copy of work/store).
 screenshots: install-dev browser
-	FLYWHEEL_SCREENSHOTS=$(abspath docs/images) $(PY) -m pytest tests/browser
+	FLYWHEEL_SCREENSHOTS=$(abspath docs/images) FLYWHEEL_SCREENSHOT_RUN=$(abspath work) \
+	  $(PY) -m pytest tests/browser
 
 demo: install
 	$(VENV)/bin/flywheel run --config $(CONFIG)

@@ -11,6 +11,13 @@ a skip: these tests are the proof that the pages render.
 
 Screenshots go to ``$FLYWHEEL_SCREENSHOTS`` (``make screenshots`` points it at docs/images,
 where the README's pictures live) or else to the test's tmp folder.
+
+``tracked_run`` is a 2-round flywheel run with MLflow tracking on, shared by the MLflow UI and
+HTML report tests: the tiny one (rounds 0-1 are cache hits in a copy of the shared
+``tiny_flywheel`` store), or, with ``FLYWHEEL_SCREENSHOT_RUN=<work folder>`` (``make
+screenshots`` sets it to the demo's ``work``), a copy of that real run's store rerun with
+configs/default.yaml: every stage a cache hit, the run tree and HTML report written afresh.
+The README's pictures are of the demo's run, checked by the same assertions.
 """
 
 from __future__ import annotations
@@ -19,9 +26,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from flywheel.config import load_config
+from flywheel.store import ArtifactRef, Store
+from flywheel.tracking import Tracker
+from tests.conftest import run_flywheel, stage_lines, tiny_overrides
 
 CHROMIUM = os.environ.get("FLYWHEEL_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("FLYWHEEL_CHROMEDRIVER", "/usr/bin/chromedriver")
@@ -86,3 +99,60 @@ def screenshot(browser, tmp_path: Path) -> Callable[[str], Path]:
         return path
 
     return take
+
+
+@dataclass
+class Tracked:
+    root: Path
+    tracking_uri: str
+    tracker: Tracker
+    store: Store
+    parent: str
+    rounds: dict[int, str]  # round -> its round run
+    evals: dict[int, ArtifactRef]  # round -> the evaluation of its policy
+    baselines: dict[str, ArtifactRef]  # sft_more, rft -> their evaluations
+    report: Path  # the index.html that `flywheel run` wrote
+    url: str = ""
+
+
+@pytest.fixture(scope="session")
+def tracked_run(tiny_flywheel, tmp_path_factory) -> Tracked:
+    """A 2-round flywheel run with tracking on, in a fresh store copy and MLflow database."""
+    from tests.flywheel.test_tracking import MLFLOW_LINE
+
+    root = tmp_path_factory.mktemp("tracked-run")
+    real = os.environ.get("FLYWHEEL_SCREENSHOT_RUN")
+    if real:
+        source = Path(real) / "store"
+        overrides = [f"run.work_dir={root / 'work'}", f"run.store={root / 'store'}"]
+        config: str | None = str(Path(__file__).resolve().parents[2] / "configs" / "default.yaml")
+    else:
+        source = tiny_flywheel.root / "store"
+        overrides = tiny_overrides(root)
+        config = None
+    shutil.copytree(source, root / "store")
+    overrides += ["tracking.enabled=true", "run.rounds=2"]
+    printed, _, _ = run_flywheel(overrides, config=config)
+    (parent,) = MLFLOW_LINE.findall(printed)
+    cfg = load_config(config, overrides)
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    evals = [store.get(a) for _, s, _, a in stage_lines(printed) if s == "evaluate"]
+    tracker = Tracker(cfg.tracking_uri(), cfg.tracking.experiment)
+    assert tracker.client is not None
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'"
+    )
+    data = Tracked(
+        root=root,
+        tracking_uri=cfg.tracking_uri(),
+        tracker=tracker,
+        store=store,
+        parent=parent,
+        rounds={int(r.data.tags["round"]): r.info.run_id for r in runs},
+        evals={e.round: e for e in evals if e.manifest["policy_stage"] in ("sft", "dpo", "grpo")},
+        baselines={p: e for e in evals if (p := e.manifest["policy_stage"]) in ("sft_more", "rft")},
+        report=Path(cfg.run.work_dir) / "report" / cfg.run.name / "index.html",
+    )
+    assert sorted(data.rounds) == sorted(data.evals) == [0, 1, 2], printed[-3000:]
+    assert f"HTML report: {data.report}" in printed
+    return data

@@ -60,7 +60,7 @@ def server(report) -> Iterator[str]:
         thread.join(timeout=5)
 
 
-def test_every_plot_renders_and_the_numbers_match(browser, screenshot, report):
+def test_every_plot_renders_and_the_numbers_match(browser, report):
     store, index = report
     browser.get(index.as_uri())
     assert browser.title == "flywheel report: tiny"
@@ -100,7 +100,6 @@ def test_every_plot_renders_and_the_numbers_match(browser, screenshot, report):
     assert shown == [[_cell(row, col) for col in COLUMNS] + [row["eval_id"]] for row in rows]
     arith_dpo = [r for r in shown if r[:3] == ["1", "dpo", "arith"]]
     assert arith_dpo[0][3] == "50.0% ± 14.4"  # 6 of 12 solved: sqrt(.25 / 12) = 0.144
-    screenshot("html-report")
 
     # A trajectory link opens its page: messages with their loss flags, and a way back.
     link = browser.find_element(By.CSS_SELECTOR, "#trajectory-links a.trajectory")
@@ -116,6 +115,37 @@ def test_every_plot_renders_and_the_numbers_match(browser, screenshot, report):
     assert flags[-1] == "trained (loss on)"  # the answer turn
     browser.find_element(By.LINK_TEXT, "back to the report").click()
     assert browser.current_url == index.as_uri()
+
+
+def rendered_plots(browser) -> list[dict]:
+    """Each plot of the page, checked to have a size and its marks inside it; the success and
+    distribution plots have drawn marks (a bar of a 0% difficulty has no height)."""
+    plots = browser.execute_script(MEASURE)
+    for plot in plots:
+        assert plot["w"] > 100 and plot["h"] > 100, plot["figure"]
+        assert plot["marks"] and all(m["inside"] for m in plot["marks"]), plot["figure"]
+        drawn = [m for m in plot["marks"] if m["w"] > 0 and (m["h"] > 0 or m["tag"] == "line")]
+        assert drawn or plot["figure"].startswith("success-by-difficulty"), plot["figure"]
+    return plots
+
+
+def test_the_report_flywheel_run_wrote_renders(browser, screenshot, tracked_run):
+    """The report `flywheel run` wrote at its end (the tiny 2-round run, or the demo's with
+    FLYWHEEL_SCREENSHOT_RUN): every plot drawn, the numbers those of its eval artifacts."""
+    browser.get(tracked_run.report.as_uri())
+    figures = {p["figure"] for p in rendered_plots(browser)}
+    assert {"success-by-round-arith", "explore-reward", "pareto-front"} <= figures, figures
+    rows = collect(tracked_run.store)
+    shown = [
+        [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+        for tr in browser.find_elements(By.CSS_SELECTOR, "#evaluations tbody tr")
+    ]
+    assert shown == [[_cell(row, col) for col in COLUMNS] + [row["eval_id"]] for row in rows]
+    for ref in [*tracked_run.evals.values(), *tracked_run.baselines.values()]:
+        css = f"#success-by-round-arith .mark[data-eval-id='{ref.id}']"
+        (mark,) = browser.find_elements(By.CSS_SELECTOR, css)
+        assert float(mark.get_attribute("data-success")) == ref.summary["arith/success_rate"]
+    screenshot("html-report")
 
 
 def test_links_work_from_a_web_server(browser, server):

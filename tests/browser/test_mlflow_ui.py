@@ -1,4 +1,5 @@
-"""The real MLflow UI on a tracked 2-round tiny flywheel, in headless Chromium: the experiment
+"""The real MLflow UI on a tracked 2-round flywheel (the tiny one, or a real run's with
+FLYWHEEL_SCREENSHOT_RUN: see tests/browser/conftest.py), in headless Chromium: the experiment
 lands on its runs, the parent run's learning curve shows the rounds' success rates, and the
 compare-runs page of round 1 and round 2 shows the eval artifacts' numbers.
 
@@ -9,62 +10,26 @@ compare-runs page of round 1 and round 2 shows the eval artifacts' numbers.
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
-from flywheel.config import load_config
-from flywheel.store import ArtifactRef, Store
-from flywheel.tracking import Tracker
-from tests.conftest import run_flywheel, stage_lines, tiny_overrides
-from tests.flywheel.test_tracking import MLFLOW_LINE, start_server, stop_server
+from tests.browser.conftest import Tracked
+from tests.flywheel.test_tracking import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 WAIT = 60  # seconds for a page element; a page normally renders in 1-3 s
 
 
-@dataclass
-class Tracked:
-    tracker: Tracker
-    parent: str
-    rounds: dict[int, str]  # round -> its round run
-    evals: dict[int, ArtifactRef]  # round -> the evaluation of its policy
-    baselines: dict[str, ArtifactRef]  # sft_more, rft -> their evaluations
-    url: str = ""
-
-
 @pytest.fixture(scope="module")
-def tracked(tiny_flywheel, tmp_path_factory) -> Iterator[Tracked]:
-    """The tiny flywheel with 2 rounds and tracking on (rounds 0-1 are cache hits in a copy of
-    the shared run's store), and ``mlflow server`` on its SQLite database."""
-    root = tmp_path_factory.mktemp("mlflow-ui")
-    shutil.copytree(tiny_flywheel.root / "store", root / "store")
-    overrides = tiny_overrides(root, "run.rounds=2", "tracking.enabled=true")
-    printed, _, _ = run_flywheel(overrides)
-    (parent,) = MLFLOW_LINE.findall(printed)
-    cfg = load_config(None, overrides)
-    store = Store(cfg.run.store_root(), cfg.run.name)
-    evals = [store.get(a) for _, s, _, a in stage_lines(printed) if s == "evaluate"]
-    tracker = Tracker(cfg.tracking_uri(), cfg.tracking.experiment)
-    assert tracker.client is not None
-    runs = tracker.client.search_runs(
-        [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'"
-    )
-    data = Tracked(
-        tracker=tracker,
-        parent=parent,
-        rounds={int(r.data.tags["round"]): r.info.run_id for r in runs},
-        evals={e.round: e for e in evals if e.manifest["policy_stage"] in ("sft", "dpo", "grpo")},
-        baselines={p: e for e in evals if (p := e.manifest["policy_stage"]) in ("sft_more", "rft")},
-    )
-    assert sorted(data.rounds) == sorted(data.evals) == [0, 1, 2], printed[-3000:]
-    url, proc = start_server(cfg.tracking_uri(), root)
-    data.url = url
-    data.tracker.uri = url  # the links point at this server
+def tracked(tracked_run: Tracked) -> Iterator[Tracked]:
+    """The tracked 2-round flywheel (tests/browser/conftest.py) with ``mlflow server`` on its
+    SQLite database."""
+    url, proc = start_server(tracked_run.tracking_uri, tracked_run.root)
+    tracked_run.url = url
+    tracked_run.tracker.uri = url  # the links point at this server
     try:
-        yield data
+        yield tracked_run
     finally:
         stop_server(proc)
 

@@ -253,11 +253,11 @@ def test_expert_resumed_after_a_crash_summarises_every_env(tmp_path, monkeypatch
     real = stages.expert.expert_episodes
     calls = []
 
-    def crash_on_second_env(suite, env_tasks):
+    def crash_on_second_env(suite, env_tasks, **kwargs):
         calls.append(suite.name)
         if len(calls) == 3:  # the second env's train split (each env runs train, then val)
             raise RuntimeError("killed")
-        return real(suite, env_tasks)
+        return real(suite, env_tasks, **kwargs)
 
     monkeypatch.setattr(stages.expert, "expert_episodes", crash_on_second_env)
     with pytest.raises(RuntimeError, match="killed"):

@@ -111,6 +111,7 @@ class Tracked:
     rounds: dict[int, str]  # round -> its round run
     evals: dict[int, ArtifactRef]  # round -> the evaluation of its policy
     baselines: dict[str, ArtifactRef]  # sft_more, rft -> their evaluations
+    references: list[str]  # the policies drawn as flat lines: init (when evaluated) and baselines
     report: Path  # the index.html that `flywheel run` wrote
     url: str = ""
 
@@ -151,6 +152,11 @@ def tracked_run(tiny_flywheel, tmp_path_factory) -> Tracked:
         rounds={int(r.data.tags["round"]): r.info.run_id for r in runs},
         evals={e.round: e for e in evals if e.manifest["policy_stage"] in ("sft", "dpo", "grpo")},
         baselines={p: e for e in evals if (p := e.manifest["policy_stage"]) in ("sft_more", "rft")},
+        references=[
+            p
+            for p in ("init", "sft_more", "rft")
+            if any(e.manifest["policy_stage"] == p for e in evals)
+        ],
         report=Path(cfg.run.work_dir) / "report" / cfg.run.name / "index.html",
     )
     assert sorted(data.rounds) == sorted(data.evals) == [0, 1, 2], printed[-3000:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ from flywheel.engines.base import Chat, Engine, SamplingParams
 from flywheel.envs.base import Env, EnvSuite, Task
 
 ACK = "Ok."
+_SESSIONS = itertools.count()  # a distinct engine session per episode, across calls
 
 
 def derive_seed(*parts: Any) -> int:
@@ -59,10 +61,15 @@ class _Episode:
     tool_ok: int = 0
     invalid_actions: int = 0
     finish_reason: str | None = None
+    session: int = field(default_factory=lambda: next(_SESSIONS))
 
     def chat(self) -> Chat:
         messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-        return Chat(messages=messages, turn_token_ids=align_turn_ids(messages, self.turn_token_ids))
+        return Chat(
+            messages=messages,
+            turn_token_ids=align_turn_ids(messages, self.turn_token_ids),
+            session=self.session,
+        )
 
     def say(self, role: str, content: str, loss: bool = False) -> None:
         self.messages.append({"role": role, "content": content, "loss": loss})

@@ -4,7 +4,8 @@ episodes shard by shard so a crash keeps the finished shards."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import polars as pl
@@ -37,6 +38,7 @@ def load_tasks(
     return [row_to_task(r) for r in frame.iter_rows(named=True)]
 
 
+@contextmanager
 def rollout_setup(
     cfg: Any,
     store: Store,
@@ -46,15 +48,15 @@ def rollout_setup(
     split: str,
     limit: int | None,
     window: int = 0,
-) -> tuple[Any, dict[str, int], list[tuple[EnvSuite, list[Task]]]]:
-    """What explore and evaluate both start from: an engine on the policy, each env's step
-    limit, and each env's suite with its tasks of ``split`` (see ``load_tasks`` for ``window``)."""
+) -> Iterator[tuple[Any, dict[str, int], list[tuple[EnvSuite, list[Task]]]]]:
+    """What explore and evaluate both start from: an engine on the policy (closed on exit),
+    each env's step limit, and each env's suite with its tasks of ``split`` (see ``load_tasks``
+    for ``window``)."""
     from flywheel.checkpoint import load_policy
-    from flywheel.engines.hf import HFEngine
+    from flywheel.engines import open_engine
     from flywheel.envs import make_suite
 
     model, tokenizer = load_policy(store, policy)
-    engine = HFEngine(model, tokenizer, batch_size=cfg.engine.batch_size)
     max_steps = {e.name: e.max_steps for e in cfg.envs}
     tasks_by_env = [
         (
@@ -63,7 +65,8 @@ def rollout_setup(
         )
         for e in cfg.envs
     ]
-    return engine, max_steps, tasks_by_env
+    with open_engine(cfg.engine, model, tokenizer) as engine:
+        yield engine, max_steps, tasks_by_env
 
 
 def trajectory_rows(
@@ -205,8 +208,8 @@ def _val_success(
     cfg: Any, store: Store, tokenizer: Any, val_tasks: ArtifactRef
 ) -> Callable[[Any], dict[str, float]]:
     from flywheel.agent import run_episodes
+    from flywheel.engines import open_engine
     from flywheel.engines.base import SamplingParams
-    from flywheel.engines.hf import HFEngine
     from flywheel.envs import make_suite
 
     limit = cfg.evaluate.val_tasks
@@ -220,15 +223,15 @@ def _val_success(
 
     def validate(module: Any) -> dict[str, float]:
         device = str(next(module.parameters()).device)  # stay where the training put it
-        engine = HFEngine(module, tokenizer, batch_size=cfg.engine.batch_size, device=device)
         ok = n = 0
-        for env_cfg, suite, tasks in by_env:
-            episodes = run_episodes(
-                engine, suite, tasks, sampling=sampling, max_steps=env_cfg.max_steps,
-                env_workers=cfg.engine.env_workers,
-            )  # fmt: skip
-            ok += sum(bool(ep["success"]) for ep in episodes)
-            n += len(episodes)
+        with open_engine(cfg.engine, module, tokenizer, device=device) as engine:
+            for env_cfg, suite, tasks in by_env:
+                episodes = run_episodes(
+                    engine, suite, tasks, sampling=sampling, max_steps=env_cfg.max_steps,
+                    env_workers=cfg.engine.env_workers,
+                )  # fmt: skip
+                ok += sum(bool(ep["success"]) for ep in episodes)
+                n += len(episodes)
         return {"score": ok / n, "val_success": ok / n}
 
     return validate

@@ -63,45 +63,47 @@ def run(
     if w.cached:
         return w.ref
     ev = cfg.evaluate
-    engine, max_steps, tasks_by_env = rollout_setup(
-        cfg, store, policy, tasks, split="test", limit=ev.n_tasks
-    )
-
-    def rollout(suite, chunk, shard, progress):
-        sampling = SamplingParams(
-            temperature=ev.temperature, max_new_tokens=cfg.engine.max_new_tokens, seed=shard
-        )
-        episodes = run_episodes(
-            engine,
-            suite,
-            chunk,
-            samples_per_task=1,
-            sampling=sampling,
-            max_steps=max_steps[suite.name],
-            seed=shard,
-            env_workers=cfg.engine.env_workers,
-            progress=progress,
-        )
-        difficulty = {t.task_id: t.difficulty for t in chunk}
-        return [
-            {
-                **{k: ep[k] for k in EVAL_KEYS},
-                "difficulty": difficulty[ep["task_id"]],
-                "policy": policy.id,
-                "policy_stage": policy.stage,
-                "round": round,
-            }
-            for ep in episodes
-        ]
-
-    run_in_shards(
-        w,
+    with rollout_setup(cfg, store, policy, tasks, split="test", limit=ev.n_tasks) as (
+        engine,
+        max_steps,
         tasks_by_env,
-        shard_size=ev.shard_size,
-        samples_per_task=1,
-        rollout=rollout,
-        label="evaluate",
-    )
+    ):
+
+        def rollout(suite, chunk, shard, progress):
+            sampling = SamplingParams(
+                temperature=ev.temperature, max_new_tokens=cfg.engine.max_new_tokens, seed=shard
+            )
+            episodes = run_episodes(
+                engine,
+                suite,
+                chunk,
+                samples_per_task=1,
+                sampling=sampling,
+                max_steps=max_steps[suite.name],
+                seed=shard,
+                env_workers=cfg.engine.env_workers,
+                progress=progress,
+            )
+            difficulty = {t.task_id: t.difficulty for t in chunk}
+            return [
+                {
+                    **{k: ep[k] for k in EVAL_KEYS},
+                    "difficulty": difficulty[ep["task_id"]],
+                    "policy": policy.id,
+                    "policy_stage": policy.stage,
+                    "round": round,
+                }
+                for ep in episodes
+            ]
+
+        run_in_shards(
+            w,
+            tasks_by_env,
+            shard_size=ev.shard_size,
+            samples_per_task=1,
+            rollout=rollout,
+            label="evaluate",
+        )
     frame = cast(pl.DataFrame, pl.from_arrow(w.read_shards().drop("messages")))
     summary = flatten(summarize(frame))
     for (env, level), group in frame.group_by(["env", "difficulty"]):

@@ -56,38 +56,38 @@ def run(
     if w.cached:
         return w.ref
     ex = cfg.explore
-    engine, max_steps, tasks_by_env = rollout_setup(
+    with rollout_setup(
         cfg, store, policy, tasks, split="train", limit=ex.n_tasks, window=round - 1
-    )
+    ) as (engine, max_steps, tasks_by_env):
 
-    def rollout(suite, chunk, shard, progress):
-        sampling = SamplingParams(
-            temperature=ex.temperature,
-            top_p=ex.top_p,
-            max_new_tokens=cfg.engine.max_new_tokens,
-            seed=cfg.run.seed * 1_000_003 + round * 10_007 + shard,
-        )
-        episodes = run_episodes(
-            engine,
-            suite,
-            chunk,
+        def rollout(suite, chunk, shard, progress):
+            sampling = SamplingParams(
+                temperature=ex.temperature,
+                top_p=ex.top_p,
+                max_new_tokens=cfg.engine.max_new_tokens,
+                seed=cfg.run.seed * 1_000_003 + round * 10_007 + shard,
+            )
+            episodes = run_episodes(
+                engine,
+                suite,
+                chunk,
+                samples_per_task=ex.samples_per_task,
+                sampling=sampling,
+                max_steps=max_steps[suite.name],
+                seed=sampling.seed,
+                env_workers=cfg.engine.env_workers,
+                progress=progress,
+            )
+            return trajectory_rows(episodes, round=round, policy=policy.id, source="explore")
+
+        run_in_shards(
+            w,
+            tasks_by_env,
+            shard_size=ex.shard_size,
             samples_per_task=ex.samples_per_task,
-            sampling=sampling,
-            max_steps=max_steps[suite.name],
-            seed=sampling.seed,
-            env_workers=cfg.engine.env_workers,
-            progress=progress,
+            rollout=rollout,
+            label="explore",
         )
-        return trajectory_rows(episodes, round=round, policy=policy.id, source="explore")
-
-    run_in_shards(
-        w,
-        tasks_by_env,
-        shard_size=ex.shard_size,
-        samples_per_task=ex.samples_per_task,
-        rollout=rollout,
-        label="explore",
-    )
     frame = cast(
         pl.DataFrame,
         pl.from_arrow(w.read_shards().drop(["messages", "turn_token_ids", "turn_logprobs"])),

@@ -8,6 +8,7 @@ ids instead of re-tokenizing the text, so training sees exactly what was sampled
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,10 +17,13 @@ from typing import Protocol
 class Chat:
     """``messages``: dicts with ``role`` and ``content``; ``turn_token_ids[i]`` belongs to the
     i-th assistant message (may be shorter than the number of assistant messages: the missing
-    ones are tokenized from text, e.g. expert turns)."""
+    ones are tokenized from text, e.g. expert turns). ``session`` names the episode the chat
+    belongs to: an engine may keep what it computed for the session's last turn and reuse it
+    when the next prompt extends it (the hf engine keeps its KV cache); None keeps nothing."""
 
     messages: list[dict]
     turn_token_ids: list[list[int]] = field(default_factory=list)
+    session: Hashable | None = None
 
 
 @dataclass(frozen=True)
@@ -40,3 +44,5 @@ class Generation:
 
 class Engine(Protocol):
     def generate(self, chats: list[Chat], params: SamplingParams) -> list[Generation]: ...
+
+    def close(self) -> None: ...

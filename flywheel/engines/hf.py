@@ -5,7 +5,14 @@ sorted by length so each batch pads little, left-padded, and decoded with a smal
 model's KV cache. A hand-written loop rather than ``model.generate`` because it gives, in one
 place, what the stages need: the log-prob of each chosen id under the raw policy (temperature 1,
 no top-p), sampling from a ``torch.Generator`` seeded by ``SamplingParams.seed``, and a clean stop
-at the end-of-turn token.
+at the end-of-turn token. Rows that stop leave the batch, so the rest decode a smaller batch.
+
+Multi-turn episodes (``prefix_cache=True``): a chat with a ``session`` keeps the KV cache of its
+last turn (its prompt and generated ids) until the next call; when the next prompt starts with
+those ids, only the new tokens (the end of the turn, the observation, the next header) go through
+the model. The cached rows are placed left-padded in front of the new tokens, so a batch mixes
+cached and fresh chats. Sessions missing from a call are forgotten. The result is the one a full
+recompute gives, within float rounding (a test compares both ways on multi-turn episodes).
 
     engine = HFEngine.from_pretrained("ckpt/")
     gens = engine.generate([Chat(messages)], SamplingParams(temperature=0, max_new_tokens=32))
@@ -13,14 +20,34 @@ at the end-of-turn token.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from flywheel.chat import encode_chat
 from flywheel.engines.base import Chat, Generation, SamplingParams
+
+
+@dataclass
+class _Cached:
+    """What one session's last turn left: the ids that went through the model and, per layer,
+    their keys and values (each ``[heads, len(ids), head_dim]``)."""
+
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class HFEngine:
@@ -31,11 +58,13 @@ class HFEngine:
         *,
         batch_size: int = 256,
         device: str = "cpu",
+        prefix_cache: bool = True,
     ) -> None:
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.device = torch.device(device)
+        self.prefix_cache = prefix_cache
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
@@ -44,6 +73,9 @@ class HFEngine:
         declared = getattr(config, "eos_token_id", None)
         stop = [declared] if isinstance(declared, int) else list(declared or [])
         self.stop_ids = sorted({tokenizer.eos_token_id, *stop} - {None})
+        self._sessions: dict[Hashable, _Cached] = {}
+        # Prompt tokens run through the model and prompt tokens taken from a session's cache.
+        self.stats = {"prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
 
     @classmethod
     def from_pretrained(
@@ -53,6 +85,10 @@ class HFEngine:
 
         model, tokenizer = load_policy(path, dtype=dtype)
         return cls(model, tokenizer, **kw)
+
+    def close(self) -> None:
+        """Forget every session's cache."""
+        self._sessions = {}
 
     def generate(self, chats: list[Chat], params: SamplingParams) -> list[Generation]:
         if params.max_new_tokens < 1:
@@ -64,6 +100,12 @@ class HFEngine:
             encode_chat(self.tokenizer, c.messages, c.turn_token_ids, add_generation_prompt=True)[0]
             for c in chats
         ]
+        cached: list[tuple[_Cached, int] | None] = []
+        for chat, prompt in zip(chats, prompts, strict=True):
+            hit = self._sessions.get(chat.session) if chat.session is not None else None
+            # At least the prompt's last token runs: its logits choose the first new id.
+            reuse = min(_common_prefix(hit.ids, prompt), len(prompt) - 1) if hit else 0
+            cached.append((hit, reuse) if hit and reuse > 0 else None)
         generator = torch.Generator(self.device)
         if params.seed is None:
             generator.seed()
@@ -72,29 +114,47 @@ class HFEngine:
         # Similar lengths together: less padding (which changes no result, only the cost).
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: list[Generation | None] = [None] * len(prompts)
+        states: list[_Cached | None] = [None] * len(prompts)
         for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
-            for i, gen in zip(
-                batch,
-                self._generate_batch([prompts[i] for i in batch], params, generator),
-                strict=True,
-            ):
-                results[i] = gen
+            gens, kept = self._generate_batch(
+                [prompts[i] for i in batch], [cached[i] for i in batch], params, generator
+            )
+            for i, gen, state in zip(batch, gens, kept, strict=True):
+                results[i], states[i] = gen, state
+        self._sessions = {
+            chat.session: state
+            for chat, state in zip(chats, states, strict=True)
+            if chat.session is not None and state is not None
+        }
         return results  # type: ignore[return-value]
 
     @torch.inference_mode()
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
-    ) -> list[Generation]:
-        n, width = len(prompts), max(len(p) for p in prompts)
+        self,
+        prompts: list[list[int]],
+        cached: list[tuple[_Cached, int] | None],
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[list[Generation], list[_Cached | None]]:
+        # Columns: [cached prefix, left-padded to `past`] [new prompt tokens, left-padded to
+        # `width`] [generated ids]. Without a cache `past` is 0: plain left padding.
+        n = len(prompts)
+        reused = [c[1] if c else 0 for c in cached]
+        past = max(reused)
+        width = max(len(p) - r for p, r in zip(prompts, reused, strict=True))
         input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention[row, width - len(prompt) :] = 1
+        attention = torch.zeros((n, past + width), dtype=torch.long)
+        for row, (prompt, r) in enumerate(zip(prompts, reused, strict=True)):
+            new = prompt[r:]
+            input_ids[row, width - len(new) :] = torch.tensor(new)
+            attention[row, past - r : past] = 1
+            attention[row, past + width - len(new) :] = 1
+        self.stats["prompt_tokens"] += sum(len(p) - r for p, r in zip(prompts, reused, strict=True))
+        self.stats["reused_tokens"] += sum(reused)
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        # Left padding shifts the prompt; positions must count real tokens only.
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        # Padding shifts the tokens; positions must count real tokens only.
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, past:]
         stop_ids = torch.tensor(self.stop_ids, device=self.device)
 
         # logits_to_keep=1: the full prompt logits of a large batch would cost gigabytes.
@@ -102,47 +162,77 @@ class HFEngine:
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=positions,
+            past_key_values=self._past(cached, past) if past else None,
             use_cache=True,
             logits_to_keep=1,
         )
         logits = out.logits[:, -1, :]
-        past = out.past_key_values
+        cache = out.past_key_values
+        keep_sessions = self.prefix_cache and all(
+            type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None])
+        )
         next_position = positions[:, -1:] + 1
 
-        chosen, chosen_logprobs = [], []
-        finished = torch.zeros(n, dtype=torch.bool, device=self.device)
-        length = torch.full((n,), params.max_new_tokens, device=self.device)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        states: list[_Cached | None] = [None] * n
+        live = torch.arange(n, device=self.device)  # rows still decoding, in cache order
+
+        def keep(rows: list[int], slots: list[int]) -> None:
+            """Copy the cache of finished rows (``slots`` in the pruned cache) out of the batch."""
+            for row, slot in zip(rows, slots, strict=True):
+                new = len(prompts[row]) - reused[row]
+                spans = [(past - reused[row], past), (past + width - new, past + width)]
+                spans.append((past + width, past + width + len(ids[row]) - 1))
+                kv = []
+                for layer in cache.layers:  # type: ignore[union-attr]
+                    k, v = layer.keys[slot], layer.values[slot]  # type: ignore[index]
+                    kv.append(
+                        (
+                            torch.cat([k[:, a:b] for a, b in spans], dim=1),
+                            torch.cat([v[:, a:b] for a, b in spans], dim=1),
+                        )
+                    )
+                states[row] = _Cached(ids=prompts[row] + ids[row][:-1], kv=kv)
+
         for step in range(params.max_new_tokens):
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            token = self._choose(logits.float(), params, generator)
-            chosen.append(token)
-            chosen_logprobs.append(logprobs.gather(-1, token[:, None])[:, 0])
-            stopped = torch.isin(token, stop_ids) & ~finished
-            length = torch.where(stopped, step + 1, length)
-            finished |= stopped
-            if finished.all() or step + 1 == params.max_new_tokens:
+            token = self._choose(logits.float(), params, generator, live, n)
+            token_logprobs = logprobs.gather(-1, token[:, None])[:, 0]
+            stopped = torch.isin(token, stop_ids)
+            rows = live.tolist()
+            for row, t, lp in zip(rows, token.tolist(), token_logprobs.tolist(), strict=True):
+                ids[row].append(t)
+                lps[row].append(lp)
+            if stopped.all() or step + 1 == params.max_new_tokens:
+                if keep_sessions:
+                    keep(rows, list(range(len(rows))))
                 break
-            # Rows already stopped keep decoding in lockstep; their extra ids are dropped below.
-            attention = torch.cat(
-                [attention, torch.ones((n, 1), dtype=attention.dtype, device=self.device)], dim=1
-            )
+            if stopped.any():
+                # Finished rows leave the batch: the others decode without them.
+                slots = stopped.nonzero()[:, 0]
+                if keep_sessions:
+                    keep([rows[s] for s in slots.tolist()], slots.tolist())
+                still = (~stopped).nonzero()[:, 0]
+                cache.batch_select_indices(still)  # type: ignore[union-attr]
+                live, token = live[still], token[still]
+                attention, next_position = attention[still], next_position[still]
+            attention = torch.cat([attention, attention.new_ones((len(live), 1))], dim=1)
             out = self.model(
                 input_ids=token[:, None],
                 attention_mask=attention,
                 position_ids=next_position,
-                past_key_values=past,
+                past_key_values=cache,
                 use_cache=True,
             )
-            logits, past = out.logits[:, -1, :], out.past_key_values
+            logits, cache = out.logits[:, -1, :], out.past_key_values
             next_position = next_position + 1
 
-        ids = torch.stack(chosen, dim=1).tolist()
-        lps = torch.stack(chosen_logprobs, dim=1).tolist()
         stop_set = set(self.stop_ids)
         generations = []
         for row in range(n):
-            k = int(length[row])
-            row_ids, row_lps = ids[row][:k], lps[row][:k]
+            row_ids, row_lps = ids[row], lps[row]
+            self.stats["generated_tokens"] += len(row_ids)
             ended = bool(row_ids) and row_ids[-1] in stop_set
             text_ids = row_ids[:-1] if ended else row_ids
             generations.append(
@@ -153,12 +243,35 @@ class HFEngine:
                     finish_reason="stop" if ended else "length",
                 )
             )
-        return generations
+        return generations, states
+
+    def _past(self, cached: list[tuple[_Cached, int] | None], past: int) -> DynamicCache:
+        """The batch's cache of reused prefixes, each row right-aligned in ``past`` columns."""
+        first = next(c[0].kv for c in cached if c)
+        layers = []
+        for layer, (k0, v0) in enumerate(first):
+            keys = k0.new_zeros((len(cached), k0.shape[0], past, k0.shape[2]))
+            values = v0.new_zeros((len(cached), v0.shape[0], past, v0.shape[2]))
+            for row, c in enumerate(cached):
+                if c:
+                    entry, r = c
+                    keys[row, :, past - r :] = entry.kv[layer][0][:, :r]
+                    values[row, :, past - r :] = entry.kv[layer][1][:, :r]
+            layers.append((keys, values))
+        return DynamicCache(ddp_cache_data=layers)
 
     @staticmethod
     def _choose(
-        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+        live: torch.Tensor | None = None,
+        rows: int | None = None,
     ) -> torch.Tensor:
+        """The next id of each row of ``logits``. When finished rows have left the batch,
+        ``live`` names the rows still there among the batch's ``rows``: the draw still covers
+        every row, so the random stream, and each row's sample, is the one of a batch that
+        kept decoding them all."""
         if params.temperature <= 0:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits / params.temperature, dim=-1)
@@ -168,4 +281,8 @@ class HFEngine:
             outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
             sorted_probs = sorted_probs.masked_fill(outside, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, sorted_ids, sorted_probs)
+        if live is not None and rows is not None and len(live) < rows:
+            full = probs.new_ones((rows, probs.shape[-1]))
+            full[live] = probs
+            return torch.multinomial(full, 1, generator=generator)[live, 0]
         return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -104,7 +104,9 @@ CASES = [
     P("run engine.max_new_tokens=0", "engine.max_new_tokens", GE1, id="max-new-tokens-zero"),
     P("run engine.env_workers=0", "engine.env_workers", GE1, id="env-workers-zero"),
     # -- config values: types and choices ------------------------------------------------------
-    P("run engine.kind=vllm", "engine.kind", "'hf'", id="engine-kind"),
+    P("run engine.kind=gpt", "engine.kind", "'hf', 'openai' or 'vllm'", id="engine-kind"),
+    P("run engine.kind=vllm", "engine.kind", "vllm is not available yet", id="engine-vllm"),
+    P("run engine.kind=openai", "engine.kind", "openai is not available yet", id="engine-openai"),
     P("run run.seed=abc", "run.seed", "integer", id="seed-not-int"),
     P("run tracking.enabled=maybe", "tracking.enabled", "boolean", id="bool-maybe"),
     P("run iteration.steps=[ppo]", "iteration.steps.0", "'sft', 'dpo' or 'grpo'", id="step"),

@@ -54,6 +54,9 @@ class ScriptedEngine:
             out.append(Generation(text, [1, 2, 3], [-0.5, -0.5, -0.5], "stop"))
         return out
 
+    def close(self):
+        pass
+
 
 def measure() -> dict[str, int]:
     gc.collect()

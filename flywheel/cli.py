@@ -122,6 +122,9 @@ def _environment() -> None:
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers' "Loading weights" bar (a tqdm bar per checkpoint load) would interleave with
+    # our progress lines; flywheel.progress reports the long work.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _prefect_home(work_dir: str) -> Path:

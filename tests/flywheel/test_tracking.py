@@ -211,6 +211,35 @@ def test_tracker_logs_the_learning_curve_and_reuses_runs_of_logged_artifacts(tmp
     assert len(client.search_model_versions(f"name = '{model_name('unit')}'")) == 6
 
 
+def test_a_search_stage_run_carries_its_tree_metrics_and_its_picture(tmp_path):
+    """The mcts stage's run: tree size, depth, share of trees with a success as metrics, and the
+    tree.png of its artifact folder as a file of the run (what the MLflow UI shows)."""
+    from PIL import Image
+
+    uri = f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}"
+    store = Store(str(tmp_path / "store"), "unit")
+    folder = tmp_path / "store" / "mcts-abc"
+    folder.mkdir(parents=True)
+    Image.new("RGB", (8, 8), "white").save(folder / "tree.png")
+    summary = {
+        "craft/trees": 16.0,
+        "craft/nodes_per_tree": 9.5,
+        "craft/max_depth_mean": 3.25,
+        "craft/success_share": 0.5,
+    }
+    manifest = {"config": {"n_gen": 4}, "summary": summary, "inputs": ["sft-bbb", "tasks-x"]}
+    ref = ArtifactRef("mcts-abc", "trees", "mcts", 1, str(folder), manifest)
+    tracker = Tracker(uri, EXPERIMENT)
+    tracker.begin("unit", run="unit", rounds=1, params={})
+    tracker.log_stage(store, ref, cached=False)
+    tracker.finish("FINISHED")
+
+    (run,) = [r for r in runs_by_id(uri, EXPERIMENT).values() if r.info.run_name == "mcts"]
+    check_stage_run(run, ref)
+    files = {f.path for f in client_for(uri).list_artifacts(run.info.run_id)}
+    assert {"tree.png", "manifest.json"} <= files, files
+
+
 def test_a_failed_run_gets_a_parent_run_even_when_nothing_was_new(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     store = Store(str(tmp_path / "store"), "unit")

@@ -6,7 +6,8 @@ split into its header (what ``add_generation_prompt`` adds), its content plus en
 (the part the model generates, and the part that is trained), and whatever the template writes
 after the end-of-turn token. So the ids in front of every assistant turn are exactly the prompt
 the engine saw when it generated that turn, and a turn whose generated ids were stored is spliced
-in as those ids, never re-tokenized (ALGORITHMS.md, "never re-tokenize text for RL").
+in as those ids, never re-tokenized (ALGORITHMS.md, "never re-tokenize text for RL"). Which
+assistant messages a trajectory's stored ids belong to is ``flywheel.trajectory``'s rule.
 
     ids, mask = encode_chat(tokenizer, messages, turn_token_ids)         # training
     ids, _ = encode_chat(tokenizer, messages, turn_ids, add_generation_prompt=True)  # a prompt
@@ -15,7 +16,7 @@ in as those ids, never re-tokenized (ALGORITHMS.md, "never re-tokenize text for 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # keeps this module importable without loading transformers
     from transformers import PreTrainedTokenizerBase
@@ -60,20 +61,6 @@ def _split_end_of_turn(tokenizer: PreTrainedTokenizerBase, tail: str) -> tuple[i
         f"the chat template does not close assistant turns with a special token: {tail[:40]!r} "
         f"follows the content (eos is {eos!r})"
     )
-
-
-def align_turn_ids(
-    messages: Sequence[dict], turn_token_ids: Sequence[Sequence[int]]
-) -> list[list[int]]:
-    """Map a trajectory's ``turn_token_ids`` (one per *generated* turn, which are the last
-    assistant turns: "Ok." and expert turns come first) onto every assistant message, as
-    ``encode_chat`` wants them; an empty list means "tokenize the text"."""
-    n_assistant = sum(m["role"] == "assistant" for m in messages)
-    if len(turn_token_ids) > n_assistant:
-        raise ValueError(f"{len(turn_token_ids)} stored turns for {n_assistant} assistant messages")
-    return [[] for _ in range(n_assistant - len(turn_token_ids))] + [
-        list(t) for t in turn_token_ids
-    ]
 
 
 def encode_chat(
@@ -143,3 +130,13 @@ def encode_chat(
         prompt = _render(tokenizer, messages, True)
         extend(_ids(tokenizer, _delta(prompt, previous, "the generation prompt")), False)
     return ids, mask
+
+
+def __getattr__(name: str) -> Any:
+    # align_turn_ids moved to flywheel.trajectory; still importable from here until the agent
+    # loop, the tree search and `flywheel show` use Trajectory.
+    if name == "align_turn_ids":
+        from flywheel.trajectory import align_turn_ids
+
+        return align_turn_ids
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,8 @@ import bisect
 import numpy as np
 import polars as pl
 
+from flywheel.trajectory import stored_span
+
 GROUP = ["env", "task_id"]
 # The prompt of a pair is the chosen side's opening: every message before its first trained
 # assistant turn (loss true). For the built-in envs that is the AgentGym start (instruction,
@@ -328,9 +330,9 @@ def _cut(pairs: pl.DataFrame, side: str, limit: pl.Expr) -> pl.DataFrame:
     continuation after the prompt (``_<side>``), its sampled turn ids (``_<side>_ids``) and
     whether it has an assistant turn at all (``_<side>_ok``).
 
-    ``turn_token_ids`` belong to the last assistant messages (the generated ones), so a cut
-    keeps the ids of the generated turns among the kept assistant messages. Only native list
-    kernels (head, sum, reverse, arg_max, slice): no per-row expression evaluation."""
+    The continuation's ids are the stored lists of its assistant turns, found by the
+    trajectory rule (``flywheel.trajectory.stored_span``) evaluated on whole columns. Only
+    native list kernels (head, sum, reverse, arg_max, slice): no per-row expression evaluation."""
     msgs = pl.col(f"{side}_messages")
     ids = pl.col(f"{side}_turn_token_ids")
     is_assistant = msgs.list.eval((pl.element().struct.field("role") == "assistant").cast(pl.Int8))
@@ -338,22 +340,18 @@ def _cut(pairs: pl.DataFrame, side: str, limit: pl.Expr) -> pl.DataFrame:
     marks = pairs.select(
         head=is_assistant.list.head(limit),
         total=is_assistant.list.sum().cast(pl.Int64),
-        in_prompt=is_assistant.list.head(pl.col(OPENING)).list.sum().cast(pl.Int64),
-        generated=ids.list.len().cast(pl.Int64),
+        in_prompt=is_assistant.list.head(opening).list.sum().cast(pl.Int64),
+        stored=ids.list.len().cast(pl.Int64),
     )
     head = pl.col("head")
     kept = head.list.sum().cast(pl.Int64)  # assistant turns before message `limit`
     # one past the last assistant turn in the head (meaningless when kept == 0: dropped then)
     end = head.list.len().cast(pl.Int64) - head.list.reverse().list.arg_max().cast(pl.Int64)
-    first_generated = pl.col("total") - pl.col("generated")
-    start = pl.max_horizontal(first_generated, pl.col("in_prompt")) - first_generated
-    stop = pl.max_horizontal(kept - first_generated, pl.lit(0))
-    cuts = marks.select(
-        _end=end,
-        _start=start,
-        _length=pl.max_horizontal(stop - start, pl.lit(0)),
-        _ok=kept > pl.col("in_prompt"),
+    in_prompt = pl.col("in_prompt")
+    start, stop = stored_span(
+        pl.col("total"), pl.col("stored"), in_prompt, kept, maximum=pl.max_horizontal
     )
+    cuts = marks.select(_end=end, _start=start, _length=stop - start, _ok=kept > in_prompt)
     end, start, length = pl.col("_end"), pl.col("_start"), pl.col("_length")
     return (
         pairs.hstack(cuts)

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flywheel.agent import derive_seed
-from flywheel.mcts import Node, Tree, paths, trailing_ids, turns
+from flywheel.mcts import Node, Tree, paths, turns
+from flywheel.trajectory import Trajectory
 
 # The published code reads both from the environment and has no defaults; these are the values
 # this project starts from (config keys splice.alpha and splice.beta).
@@ -206,14 +207,27 @@ def pick_thought(*key: Any) -> str:
     return REVISION_THOUGHTS[derive_seed("revision", *key) % len(REVISION_THOUGHTS)]
 
 
-def _row(tree: Tree, steps: Sequence[Node], leaf: Node, extra_turns: int) -> dict[str, Any]:
-    """The trajectory columns that count over ``steps`` (the env steps a row shows) or come
-    from its last step ``leaf``; messages and stored ids are the caller's."""
+def _steps(nodes: Sequence[Node], *, loss: bool, observe_done: bool = False) -> Trajectory:
+    """Consecutive steps as a piece of trajectory: their turns and observations (``turns``),
+    with the ids and log-probs the policy generated them with."""
+    return Trajectory.from_turns(
+        turns(nodes, loss=loss, observe_done=observe_done),
+        [node.token_ids for node in nodes],
+        [node.logprobs for node in nodes],
+    )
+
+
+def _opening(
+    tree: Tree, steps: Sequence[Node], leaf: Node, *, extra_turns: int, source: str, sample_idx: int
+) -> Trajectory:
+    """The tree's opening (not trained), with the trajectory columns that count over ``steps``
+    (the env steps a row shows) or come from its last step ``leaf``; the caller appends the
+    turns."""
 
     def count(key: str) -> int:
         return sum(bool(node.info.get(key)) for node in steps)
 
-    return {
+    columns = {
         "task_id": tree.task_id,
         "env": tree.env,
         "split": tree.split,
@@ -227,7 +241,10 @@ def _row(tree: Tree, steps: Sequence[Node], leaf: Node, extra_turns: int) -> dic
         "tokens": sum(len(node.token_ids) for node in steps),
         "finish_reason": "done" if leaf.done else "max_steps",
         "seed": tree.seed,
+        "source": source,
+        "sample_idx": sample_idx,
     }
+    return Trajectory([{**m, "loss": False} for m in tree.opening], fields=columns)
 
 
 def splice(
@@ -242,8 +259,8 @@ def splice(
     """The revision trajectory: the opening, the bad path up to and including its first error
     (not trained), the revision turn ``text`` (trained) and ``revision_observation``, then the
     good path after the steps the two share (trained). Reward, success and finish come from the
-    good leaf; ``turn_token_ids`` are the good continuation's (the revision turn has none, so
-    stored ids stop there: they always belong to the last assistant messages)."""
+    good leaf. The revision turn was not generated, so only the good continuation keeps stored
+    ids (``Trajectory.__add__``)."""
     d = divergence(bad, good)
     if not d <= cut < len(bad) - 1:
         raise ValueError(
@@ -252,36 +269,28 @@ def splice(
         )
     tree = bad[0].tree
     prefix, continuation = bad[1 : cut + 2], good[d + 1 :]
-    messages = (
-        [{**m, "loss": False} for m in tree.opening]
-        + turns(prefix, loss=False, observe_done=True)
-        + [
+    revision = Trajectory(
+        [
             {"role": "assistant", "content": text, "loss": True},
             {"role": "user", "content": revision_observation, "loss": False},
         ]
-        + turns(continuation, loss=True)
     )
-    ids, logprobs = trailing_ids(continuation)
-    return {
-        **_row(tree, [*prefix, *continuation], good[-1], extra_turns=1),
-        "source": "revision",
-        "sample_idx": sample_idx,
-        "messages": messages,
-        "turn_token_ids": ids,
-        "turn_logprobs": logprobs,
-    }
+    opening = _opening(
+        tree, [*prefix, *continuation], good[-1],
+        extra_turns=1, source="revision", sample_idx=sample_idx,
+    )  # fmt: skip
+    spliced = (
+        opening
+        + _steps(prefix, loss=False, observe_done=True)
+        + revision
+        + _steps(continuation, loss=True)
+    )
+    return spliced.to_row()
 
 
 def path_row(path: Sequence[Node], *, source: str = "mcts", sample_idx: int = 0) -> dict[str, Any]:
     """A root-to-leaf path as a plain trajectory (every turn trained): the good paths that
     SFT mixes with the revisions."""
     tree, steps = path[0].tree, list(path[1:])
-    ids, logprobs = trailing_ids(steps)
-    return {
-        **_row(tree, steps, path[-1], extra_turns=0),
-        "source": source,
-        "sample_idx": sample_idx,
-        "messages": [{**m, "loss": False} for m in tree.opening] + turns(steps, loss=True),
-        "turn_token_ids": ids,
-        "turn_logprobs": logprobs,
-    }
+    opening = _opening(tree, steps, path[-1], extra_turns=0, source=source, sample_idx=sample_idx)
+    return (opening + _steps(steps, loss=True)).to_row()

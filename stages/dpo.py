@@ -32,7 +32,6 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flywheel.chat import align_turn_ids, encode_chat
 from flywheel.checkpoint import (
     checkpoint_dir,
     load_policy,
@@ -46,6 +45,7 @@ from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
 from flywheel.training.loop import LossParams, compute_ref_logps
+from flywheel.trajectory import Trajectory
 from stages._common import validation, validation_config, validation_inputs
 
 REF_LOGPS = "ref_logps.parquet"
@@ -87,23 +87,18 @@ def train_section(dc: DpoConfig, round: int) -> TrainSection:
     return TrainSection(**knobs)
 
 
-def _side(
-    tokenizer: Any, prompt: list[dict], continuation: list[dict], turn_ids: list | None
-) -> tuple[list[int], list[int]]:
-    # Only the continuation's assistant turns are trained, whatever the stored flags say.
-    messages = [{**m, "loss": False} for m in prompt]
-    messages += [{**m, "loss": m["role"] == "assistant"} for m in continuation]
-    return encode_chat(tokenizer, messages, align_turn_ids(messages, turn_ids or []))
+def _side(tokenizer: Any, row: dict[str, Any], side: str) -> tuple[list[int], list[int]]:
+    """``prompt + <side>`` of a pairs row, its stored ids on the side's generated turns; only
+    the continuation's assistant turns are trained, whatever the stored flags say."""
+    prompt = [{**m, "loss": False} for m in row["prompt"]]
+    continuation = [{**m, "loss": m["role"] == "assistant"} for m in row[side]]
+    return Trajectory(prompt + continuation, row[f"{side}_turn_token_ids"] or []).encode(tokenizer)
 
 
 def pair_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, list[int]]:
     """A pairs row -> the loop's dpo example (ids and loss mask of prompt+chosen, prompt+rejected)."""
-    chosen_ids, chosen_mask = _side(
-        tokenizer, row["prompt"], row["chosen"], row["chosen_turn_token_ids"]
-    )
-    rejected_ids, rejected_mask = _side(
-        tokenizer, row["prompt"], row["rejected"], row["rejected_turn_token_ids"]
-    )
+    chosen_ids, chosen_mask = _side(tokenizer, row, "chosen")
+    rejected_ids, rejected_mask = _side(tokenizer, row, "rejected")
     return {
         "chosen_ids": chosen_ids,
         "chosen_mask": chosen_mask,

@@ -34,7 +34,6 @@ from typing import Any
 
 import polars as pl
 
-from flywheel.chat import align_turn_ids, encode_chat
 from flywheel.checkpoint import (
     checkpoint_dir,
     load_policy,
@@ -49,6 +48,7 @@ from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
 from flywheel.training.loop import LossParams
 from flywheel.training.losses import anneal, efficiency_reward, group_advantages
+from flywheel.trajectory import Trajectory
 from stages._common import validation, validation_config, validation_inputs
 
 BROKEN_FORMAT = ("invalid", "error")
@@ -95,31 +95,7 @@ def group_keys(frame: pl.DataFrame) -> list[tuple[str, str]]:
 def trajectory_example(tokenizer: Any, row: dict[str, Any], advantage: float) -> dict[str, Any]:
     """A groups row -> the loop's grpo example: every sampled turn trained, on its stored ids,
     with its stored behaviour log-prob at the same position (0 elsewhere)."""
-    where = f"grpo: trajectory {row['env']}/{row['task_id']} sample {row['sample_idx']}"
-    stored_ids, stored_lps = row["turn_token_ids"] or [], row["turn_logprobs"] or []
-    if len(stored_ids) != len(stored_lps) or any(
-        len(i) != len(lp) for i, lp in zip(stored_ids, stored_lps, strict=False)
-    ):
-        raise ValueError(f"{where}: turn_token_ids and turn_logprobs differ in shape")
-    turn_ids = align_turn_ids(row["messages"], stored_ids)
-    # Train exactly the sampled turns (the assistant messages with stored ids), nothing else.
-    messages, turn = [], 0
-    for m in row["messages"]:
-        sampled = m["role"] == "assistant" and bool(turn_ids[turn])
-        turn += m["role"] == "assistant"
-        messages.append({**m, "loss": sampled})
-    ids, mask = encode_chat(tokenizer, messages, turn_ids)
-    flat_ids = [t for turn_ids_ in stored_ids for t in turn_ids_]
-    flat_lps = [lp for turn_lps in stored_lps for lp in turn_lps]
-    trained = [i for i, m in enumerate(mask) if m]
-    if [ids[i] for i in trained] != flat_ids:
-        raise ValueError(
-            f"{where}: the loss mask covers {len(trained)} tokens but {len(flat_ids)} ids were "
-            "stored (or they differ): the conversation does not encode to its sampled ids"
-        )
-    old = [0.0] * len(ids)
-    for i, lp in zip(trained, flat_lps, strict=True):
-        old[i] = float(lp)
+    ids, mask, old = Trajectory.from_row(row).encode_sampled(tokenizer)
     return {"input_ids": ids, "loss_mask": mask, "old_logprobs": old, "advantage": float(advantage)}
 
 
@@ -146,7 +122,7 @@ def unsolved_expert(
 def expert_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, Any]:
     """An expert trajectory -> a grpo example trained by MIX's NLL term only (advantage 0, no
     behaviour log-probs: the expert is not a policy we sampled)."""
-    ids, mask = encode_chat(tokenizer, row["messages"])
+    ids, mask = Trajectory.from_row(row).encode(tokenizer)
     if not any(mask):
         raise ValueError(
             f"grpo: expert trajectory {row['env']}/{row['task_id']} has no trained turn"

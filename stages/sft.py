@@ -20,7 +20,6 @@ from typing import Any, cast
 
 import polars as pl
 
-from flywheel.chat import align_turn_ids, encode_chat
 from flywheel.checkpoint import (
     checkpoint_dir,
     load_policy,
@@ -33,6 +32,7 @@ from flywheel.config import Config, SftConfig
 from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
+from flywheel.trajectory import Trajectory
 from stages._common import validation, validation_config, validation_inputs
 
 # Read by the SFT steps of rounds >= 1 only.
@@ -65,8 +65,7 @@ def encode_rows(frame: pl.DataFrame, tokenizer: Any) -> list[dict[str, list[int]
     """Trajectory rows -> sft examples (sampled turns on their stored ids, the rest from text)."""
     examples = []
     for row in frame.select("messages", "turn_token_ids").iter_rows(named=True):
-        turn_ids = align_turn_ids(row["messages"], row["turn_token_ids"] or [])
-        ids, mask = encode_chat(tokenizer, row["messages"], turn_ids)
+        ids, mask = Trajectory.from_row(row).encode(tokenizer)
         examples.append({"input_ids": ids, "loss_mask": mask})
     return examples
 

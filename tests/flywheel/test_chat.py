@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel.chat import align_turn_ids, encode_chat
+from flywheel.chat import encode_chat
 from flywheel.model import train_tokenizer
 
 CHATML = (
@@ -120,13 +120,6 @@ def test_template_that_rewrites_earlier_turns_is_rejected(corpus):
     )
     with pytest.raises(ValueError, match="prefix"):
         encode_chat(tok, MESSAGES[1:3])
-
-
-def test_align_turn_ids_puts_generated_turns_last():
-    assert align_turn_ids(MESSAGES, [[1], [2]]) == [[], [1], [2]]
-    assert align_turn_ids(MESSAGES, []) == [[], [], []]
-    with pytest.raises(ValueError):
-        align_turn_ids(MESSAGES[:3], [[1], [2]])
 
 
 def test_end_of_turn_token_other_than_eos(corpus):

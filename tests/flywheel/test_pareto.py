@@ -15,6 +15,7 @@ from flywheel.pareto import (
     select_groups,
     trajectory_ranks,
 )
+from flywheel.trajectory import Trajectory
 
 
 def episode(
@@ -255,6 +256,45 @@ def test_turn_ids_follow_the_last_assistant_messages():
     row = {**episode("t", 0, 0.0, turns=2), "turn_token_ids": [[99], [100], [101]]}
     [p] = pairs_of([row], [episode("t", reward=1.0, turns=1, source="expert")])
     assert p["rejected_turn_token_ids"] == [[100], [101]]
+
+
+def test_a_cut_with_ids_on_both_sides_keeps_the_kept_turns_ids():
+    # "Ok." and the 6 turns generated: the prompt keeps [99] (pairs store no prompt ids: DPO
+    # tokenizes the prompt from text), the cut (expert length 7 + 3 messages) keeps 4 turns and
+    # their ids, and the 2 turns after the cut take theirs away.
+    row = {**episode("t", 0, 0.0, turns=6), "turn_token_ids": [[99]] + [[100 + i] for i in range(6)],
+           "turn_logprobs": [[-0.5]] * 7}  # fmt: skip
+    expert = episode("t", reward=1.0, turns=2, source="expert")
+    [p] = pairs_of([row], [expert], cut_extra_messages=3)
+    assert p["rejected_turn_token_ids"] == [[100], [101], [102], [103]]
+    # The same as cutting the trajectory by hand with Trajectory.split.
+    prompt, rest = Trajectory.from_row(row).split(len(p["prompt"]))
+    continuation, _ = rest.split(len(p["rejected"]))
+    assert (prompt.turn_token_ids, continuation.messages) == ([[99]], p["rejected"])
+    assert continuation.turn_token_ids == p["rejected_turn_token_ids"]
+
+
+def test_cuts_agree_with_trajectory_split():
+    """Every cut of build_pairs (vectorised) against Trajectory.split (per row), over rows that
+    generated no, some or all of their turns and every cut length."""
+    rows = {}
+    for turns, generated in [(t, g) for t in range(1, 5) for g in range(t + 2)]:
+        base = episode(f"t{turns}-{generated}", 0, 0.0, turns=turns)
+        ids = [[200 + i] for i in range(generated)]
+        rows[base["task_id"]] = base | {
+            "turn_token_ids": ids,
+            "turn_logprobs": [[-1.0]] * generated,
+        }
+    experts = [episode(task, reward=1.0, turns=1, source="expert") for task in rows]
+    both_sides = 0
+    for extra in range(8):
+        for p in pairs_of(list(rows.values()), experts, cut_extra_messages=extra):
+            _, rest = Trajectory.from_row(rows[p["task_id"]]).split(len(p["prompt"]))
+            continuation, after = rest.split(len(p["rejected"]))
+            assert continuation.messages == p["rejected"]
+            assert continuation.turn_token_ids == p["rejected_turn_token_ids"]
+            both_sides += bool(continuation.turn_token_ids and after.turn_token_ids)
+    assert both_sides >= 10  # cuts with generated turns on both sides are among them
 
 
 def test_pair_dropped_when_a_side_has_no_assistant_turn():

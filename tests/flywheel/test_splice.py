@@ -1,12 +1,11 @@
 """flywheel.splice: pair selection on hand-built trees, the rule and judge verifiers, and the
-spliced trajectory's messages, loss flags and stored ids (checked through encode_chat)."""
+spliced trajectory's messages, loss flags and stored ids (checked through Trajectory.encode)."""
 
 from __future__ import annotations
 
 import pytest
 
 from data_contracts import table_from_rows, trajectories
-from flywheel.chat import align_turn_ids, encode_chat
 from flywheel.mcts import Child, Node, Tree, backup, paths, settle
 from flywheel.splice import (
     REVISION_THOUGHTS,
@@ -23,6 +22,7 @@ from flywheel.splice import (
     select_revisions,
     splice,
 )
+from flywheel.trajectory import Trajectory
 
 OPENING = [
     {"role": "user", "content": "Craft items from recipes.", "loss": False},
@@ -196,9 +196,7 @@ def test_splice_messages_loss_flags_and_ids(craft_tree, tokenizer):
     table_from_rows(trajectories.CONTRACT, [{**row, "round": 1, "policy": "sft-abc"}])
 
     # Trained tokens: the revision turn from its text, then the stored ids of the two good turns.
-    ids, mask = encode_chat(
-        tokenizer, row["messages"], align_turn_ids(row["messages"], row["turn_token_ids"])
-    )
+    ids, mask = Trajectory.from_row(row).encode(tokenizer)
     runs, current = [], []
     for token, trained in zip(ids, mask, strict=True):
         if trained:

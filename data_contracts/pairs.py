@@ -24,7 +24,7 @@ Written by the ``pareto`` stage (ALGORITHMS.md, "Exploration rollouts and contra
 | rejected_turn_token_ids | list<list<int32>>                 | same for the rejected side                                 |
 
 As in trajectories, ``*_turn_token_ids`` belong to the *last* assistant messages of
-``prompt + side`` (``flywheel.chat.align_turn_ids``): DPO trains on the sampled ids, never on
+``prompt + side`` (``flywheel.trajectory``): DPO trains on the sampled ids, never on
 re-tokenized text.
 """
 

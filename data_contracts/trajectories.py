@@ -23,8 +23,10 @@
 | turn_token_ids  | list<list<int32>>                      | generated ids of each sampled assistant turn          |
 | turn_logprobs   | list<list<float>>                      | behaviour log-prob of each of those ids              |
 
-``turn_token_ids[i]`` belongs to the i-th assistant message after the ``Ok.`` acknowledgement;
-expert and imported rows leave both lists empty and are tokenized from text when trained on.
+``turn_token_ids`` belong to the *last* ``len(turn_token_ids)`` assistant messages (the
+generated ones; ``flywheel.trajectory`` is the one place that reads them): expert and imported
+rows leave both lists empty, and a revision's untrained prefix and its revision turn have none,
+so those turns are tokenized from text when trained on.
 """
 
 import pyarrow as pa

@@ -64,6 +64,7 @@ from flywheel.html_plot import (
 from flywheel.pareto import trajectory_ranks
 from flywheel.report import COLUMNS, _cell, collect, format_table, standard_error
 from flywheel.store import ArtifactError, ArtifactRef, Store
+from flywheel.trajectory import align_turn_ids
 
 MAX_REVISED = 5  # revised trajectories given a page, per round and env
 MAX_TOOL_BIN = 20  # tool-call counts from here on share the last bin
@@ -541,21 +542,18 @@ def _trajectory_page(row: dict[str, Any], title: str) -> str:
         if k in row
     ]
     messages = row.get("messages") or []
-    ids, logprobs = row.get("turn_token_ids") or [], row.get("turn_logprobs") or []
+    # the stored ids (and log-probs) of each message: empty where the turn was not sampled
+    ids = align_turn_ids(messages, row.get("turn_token_ids") or [])
+    logprobs = align_turn_ids(messages, row.get("turn_logprobs") or [])
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    # turn_token_ids belong to the last len(ids) assistant messages (data_contracts.trajectories)
-    sampled = (
-        dict(zip(assistant[-len(ids) :], range(len(ids)), strict=True))
-        if 0 < len(ids) <= len(assistant)
-        else {}
-    )
+    sampled = {i: turn for turn, i in enumerate(assistant) if ids[turn]}
     items = []
     for i, m in enumerate(messages):
         trained, text, role = bool(m["loss"]), m["content"] or "", m["role"]
         meta = f'<span class="role">{html.escape(role)}</span>'
         meta += f'<span class="loss">{"trained (loss on)" if trained else "not trained"}</span>'
         if i in sampled:
-            lp = logprobs[sampled[i]] if sampled[i] < len(logprobs) else []
+            lp = logprobs[sampled[i]]
             mean = f", mean log-prob {sum(lp) / len(lp):.3f}" if lp else ""
             meta += f'<span class="tokens">{len(ids[sampled[i]])} generated tokens{mean}</span>'
         actions = len(_ACTION.findall(text)) if role == "assistant" else 0

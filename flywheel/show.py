@@ -5,7 +5,7 @@ shared prompt, then the chosen and the rejected continuation) and prints, per ep
 (task, env, source, sample, reward, success, finish reason, steps, ...) and every message with
 its role, whether it is trained (its ``loss`` flag) and, for assistant turns, how many tokens the
 policy generated. Those counts come from the stored ``turn_token_ids``, which belong to the
-*last* assistant messages (``flywheel.chat.align_turn_ids``); a turn without stored ids (the
+*last* assistant messages (``flywheel.trajectory``); a turn without stored ids (the
 ``Ok.`` acknowledgement, expert and imported turns, every turn of an eval artifact) shows
 ``n/a``. Colour only on a terminal, and never when ``NO_COLOR`` is set.
 
@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from data_contracts.trajectories import SOURCES
-from flywheel.chat import align_turn_ids
 from flywheel.store import Store
+from flywheel.trajectory import align_turn_ids
 
 KINDS = ("trajectories", "eval", "groups", "pairs")
 DEFAULT_LIMIT = 10

@@ -32,6 +32,7 @@ import stages.index
 import stages.init
 import stages.mcts
 import stages.pareto
+import stages.reflect
 import stages.rft
 import stages.sft
 import stages.sft_more
@@ -45,7 +46,7 @@ from flywheel.store import ArtifactRef, Store
 from flywheel.tracking import Tracker
 
 # Stages that talk to environments get a retry: env servers are the flaky part.
-RETRIES = {"expert": 1, "explore": 1, "mcts": 1, "evaluate": 1}
+RETRIES = {"expert": 1, "explore": 1, "mcts": 1, "reflect": 1, "evaluate": 1}
 
 
 # One name per stage everywhere: module, config section, Prefect task, artifact folder.
@@ -57,6 +58,7 @@ STAGES = {
     "sft": stages.sft,
     "explore": stages.explore,
     "pareto": stages.pareto,
+    "reflect": stages.reflect,
     "mcts": stages.mcts,
     "splice": stages.splice,
     "dpo": stages.dpo,
@@ -66,9 +68,15 @@ STAGES = {
     "rft": stages.rft,
 }
 BOOTSTRAP_ONLY = ("tasks", "index", "expert", "init")
-ROUNDS_ONLY = ("explore", "pareto", "mcts", "splice", "dpo", "grpo", "sft_more", "rft")
+ROUNDS_ONLY = (
+    "explore", "pareto", "reflect", "mcts", "splice", "dpo", "grpo", "sft_more", "rft",
+)  # fmt: skip
 # The stages that produce a round's data, by entry of iteration.data.
-DATA_STAGES = {"explore": ("explore", "pareto"), "mcts": ("mcts", "splice")}
+DATA_STAGES = {
+    "explore": ("explore", "pareto"),
+    "reflect": ("reflect",),
+    "mcts": ("mcts", "splice"),
+}
 
 # A stage's input is an artifact or a list of them (sft's trajectory artifacts); it returns its
 # artifact, or a tuple of them (pareto writes pairs and groups).
@@ -138,7 +146,10 @@ def _step(
 
 
 # The numbers a stage's progress line shows, by the end of their summary keys.
-HEADLINES = ("/success_rate", "/nodes_per_tree", "/success_share", "/revisions_per_tree")
+HEADLINES = (
+    "/success_rate", "/nodes_per_tree", "/success_share", "/revisions_per_tree",
+    "/recovered_share",
+)  # fmt: skip
 
 
 def _headline(ref: ArtifactRef) -> str:
@@ -176,25 +187,29 @@ class RoundResult:
     explored: ArtifactRef | None  # None when iteration.data has no explore
     trained: list[ArtifactRef]  # the checkpoint of every training step, in order
     spliced: ArtifactRef | None = None  # revisions and good paths, with mcts in iteration.data
+    reflected: ArtifactRef | None = None  # hinted revisions, with reflect in iteration.data
 
 
 def one_round(
     plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, ArtifactRef]
 ) -> RoundResult:
-    """Round r >= 1: the round's data from pi_r (explore -> pairs and groups; mcts -> trees
-    -> revisions and good paths, as iteration.data says), the configured training steps (each
-    from the previous step's checkpoint), then pi_{r+1} evaluated."""
+    """Round r >= 1: the round's data from pi_r (explore -> pairs and groups, and with reflect
+    its failures -> hinted revisions; mcts -> trees -> revisions and good paths, as
+    iteration.data says), the configured training steps (each from the previous step's
+    checkpoint), then pi_{r+1} evaluated."""
     kinds = plan.cfg.iteration.data
-    explored = spliced = pairs = groups = None
+    explored = spliced = reflected = pairs = groups = None
     if "explore" in kinds:
         explored = _step(plan, "explore", round, policy, boot["train"])
         mined = _run(plan, "pareto", round, explored, boot["expert"])
         assert isinstance(mined, tuple)  # pareto writes two artifacts
         pairs, groups = mined
+        if "reflect" in kinds:
+            reflected = _step(plan, "reflect", round, explored, policy, boot["train"])
     if "mcts" in kinds:
         trees = _step(plan, "mcts", round, policy, boot["train"])
         spliced = _step(plan, "splice", round, trees, policy, boot["train"])
-    own = [ref for ref in (explored, spliced) if ref is not None]
+    own = [ref for ref in (explored, reflected, spliced) if ref is not None]
     trained = []
     for name in plan.cfg.iteration.steps:
         # dpo and grpo run only with explore (the config refuses them otherwise); grpo reads the
@@ -211,7 +226,7 @@ def one_round(
         )
         trained.append(policy)
     _step(plan, "evaluate", round, policy, boot["test"])
-    return RoundResult(policy, explored, trained, spliced)
+    return RoundResult(policy, explored, trained, spliced, reflected)
 
 
 def baselines(

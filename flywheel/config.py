@@ -647,8 +647,31 @@ class SpliceConfig(Section):
     )
 
 
+class ReflectConfig(Section):
+    """Reflection by hint on the round's failed explored trajectories (ALGORITHMS.md, "Reflection by hint")."""
+
+    n_tasks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Reflect on the failed trajectories of at most N tasks per env: the first N explored tasks with a failure (null: every failed trajectory).",
+    )
+    max_evolve_times: int = Field(
+        default=3,
+        ge=1,
+        description="Attempts per failed trajectory: a continuation that fails too is reflected on again, from its first flawed step after the hint (ET-Agent: 3).",
+    )
+    temperature: float = Field(
+        default=1.0, ge=0, description="Sampling temperature of the continuations."
+    )
+    shard_size: int = Field(
+        default=64,
+        ge=1,
+        description="Failed trajectories per Parquet shard (continued together, one batched generate call per step); finished shards survive a crash.",
+    )
+
+
 TrainStep = Literal["sft", "dpo", "grpo"]
-RoundData = Literal["explore", "mcts"]
+RoundData = Literal["explore", "mcts", "reflect"]
 Baseline = Literal["sft_more", "rft"]
 BASELINES: tuple[str, ...] = get_args(Baseline)  # the baseline stages, by name
 # Training steps that read what only explore produces (pareto's pairs and groups).
@@ -667,7 +690,7 @@ class IterationConfig(Section):
     data: list[RoundData] = Field(
         default_factory=_default_data,
         min_length=1,
-        description="What each round's policy produces for the round to train on: explore (K rollouts per task, mined by pareto into DPO pairs and GRPO groups) and/or mcts (search trees, spliced by splice into revision trajectories and good paths). Round sft trains on all of it; dpo and grpo need explore.",
+        description="What each round's policy produces for the round to train on: explore (K rollouts per task, mined by pareto into DPO pairs and GRPO groups), mcts (search trees, spliced by splice into revision trajectories and good paths) and/or reflect (explore's failed trajectories continued from a reflection hint; the successes are revision trajectories). Round sft trains on all of it; dpo, grpo and reflect need explore.",
     )
     steps: list[TrainStep] = Field(
         default_factory=_default_steps,
@@ -679,6 +702,11 @@ class IterationConfig(Section):
     def _data_for_steps(self) -> IterationConfig:
         if len(set(self.data)) != len(self.data):
             raise ValueError(f"data must not repeat an entry, got {self.data}")
+        if "reflect" in self.data and "explore" not in self.data:
+            raise ValueError(
+                f"reflect in data reflects on explore's failed trajectories: add explore to data "
+                f"(got data={self.data})"
+            )
         needs = [s for s in self.steps if s in NEEDS_EXPLORE]
         if needs and "explore" not in self.data:
             raise ValueError(
@@ -739,6 +767,10 @@ class Config(Section):
     splice: SpliceConfig = Field(
         default_factory=SpliceConfig,
         description="Revision trajectories and good paths from the round's trees (Agent-R).",
+    )
+    reflect: ReflectConfig = Field(
+        default_factory=ReflectConfig,
+        description="Reflection by hint on the round's failed explored trajectories (with reflect in iteration.data; ET-Agent).",
     )
     iteration: IterationConfig = Field(
         default_factory=IterationConfig,

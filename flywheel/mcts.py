@@ -13,8 +13,9 @@ Engine- and env-independent: the caller supplies two callbacks and this module d
   with one leaf from every tree still searching, so the engine sees one batched call per level.
 - ``step(node) -> (observation, reward, done, info)``: ``node`` is a new child, not yet stepped;
   restore the env to ``node.parent``'s state (snapshot, or reset + replay of ``path(node.parent)``)
-  and step it with ``node.text``. It may keep a snapshot in ``node.state`` (never written). Calls
-  run in a thread pool, at most one at a time per tree, so one env per tree is enough.
+  and step it with ``node.text``; an env error may be raised or returned. It may keep a snapshot
+  in ``node.state`` (never written). Calls run in a thread pool, at most one at a time per tree,
+  so one env per tree is enough.
 
 Each iteration walks every tree from its root: descend by UCT through expanded nodes to an
 unexpanded one, expand it (all trees together), step its children, back up the terminal ones,
@@ -119,7 +120,7 @@ class Tree:
 
 
 ExpandFn = Callable[[list[Node], int], Sequence[Sequence[Child]]]
-StepFn = Callable[[Node], Outcome]
+StepFn = Callable[[Node], Outcome | Exception]
 
 
 # -- the UCT pieces -----------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def _step_tree(step: StepFn, nodes: list[Node]) -> list[Outcome | Exception]:
     outcomes: list[Outcome | Exception] = []
     for node in nodes:  # one tree's children in turn: they share the tree's env
         try:
-            outcomes.append(step(node))
+            outcomes.append(step(node))  # an env error raised, or returned
         except Exception as exc:  # one broken step must not stop the other trees
             outcomes.append(exc)
     return outcomes

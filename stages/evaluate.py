@@ -24,7 +24,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flywheel.agent import run_episodes
+from flywheel.agent import replay, run_episodes
 from flywheel.config import Config
 from flywheel.engines.base import SamplingParams
 from flywheel.envs import EnvSuite, Task, make_suite
@@ -136,26 +136,10 @@ def run(
 
 def replay_infos(suite: EnvSuite, task: Task, messages: list[dict[str, Any]]) -> list[dict]:
     """The ``info`` of every step of an episode: its actions (the assistant turns after the
-    instruction and ``Ok.``) stepped again through a fresh env, until done. A step that raises
-    (the episode ended in an env error) gives ``{"error": ...}`` and ends the replay."""
-    env = suite.make()
-    infos: list[dict] = []
-    try:
-        env.reset(task)
-        for message in messages[2:]:
-            if message["role"] != "assistant":
-                continue
-            try:
-                _, _, done, info = env.step(message["content"])
-            except Exception as exc:  # noqa: BLE001 - the episode's own env error, met again
-                infos.append({"error": f"{type(exc).__name__}: {exc}"})
-                break
-            infos.append(dict(info or {}))
-            if done:
-                break
-    finally:
-        env.close()
-    return infos
+    instruction and ``Ok.``) stepped again through a fresh env, until done
+    (``flywheel.agent.replay``). A step that raises (the episode ended in an env error) gives
+    ``{"error": ...}`` and ends the replay."""
+    return replay(suite, task, messages).infos
 
 
 def count_failed(infos: list[dict]) -> int:

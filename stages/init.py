@@ -22,15 +22,28 @@ from flywheel.store import ArtifactRef, Store
 
 def artifact_config(cfg: Config) -> dict[str, Any]:
     """What the artifact id hashes: the model section and the seed of the random init, and
-    whether the tokenizer also learns the revision turns splice writes (rounds with mcts)."""
+    whether the tokenizer also learns the revision turns splice writes (rounds with mcts) and
+    the envs' reflection hints (rounds with reflect: the hints themselves)."""
     config: dict[str, Any] = {"model": cfg.model.model_dump(), "seed": cfg.run.seed}
     if _revises(cfg):
         config["revision_text"] = True
+    if _reflects(cfg):
+        config["hints"] = _hints(cfg)
     return config
 
 
 def _revises(cfg: Config) -> bool:
     return "mcts" in cfg.iteration.data
+
+
+def _reflects(cfg: Config) -> bool:
+    return "reflect" in cfg.iteration.data
+
+
+def _hints(cfg: Config) -> dict[str, list[str]]:
+    from flywheel.reflect import hints_of
+
+    return hints_of(cfg.envs)
 
 
 def run(
@@ -61,6 +74,8 @@ def run(
             from flywheel.splice import REVISION_THOUGHTS, revision_turn
 
             texts += [revision_turn(t, "inventory") for t in REVISION_THOUGHTS]
+        if _reflects(cfg):  # the hints that open reflect's hinted turns
+            texts += [hint for hints in _hints(cfg).values() for hint in hints]
         tokenizer = train_tokenizer(texts)
         tiny = cfg.model.tiny
         model = build_tiny_model(

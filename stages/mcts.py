@@ -11,6 +11,10 @@ The search itself is ``flywheel.mcts.search``; this module gives it its two call
   reset + replay); a child restores its parent's snapshot (kept in ``node.state``, never
   written) and steps its turn.
 
+Both go through the agent loop's ``Episode`` (flywheel/agent.py): a tree's opening is an
+episode opened on the tree's env, a leaf's chat is the chat of the episode resumed at the leaf,
+and a child is the turn that episode takes and steps, as in every other rollout.
+
 With ``mcts.n_tasks`` set, round r searches the r-th window of that many train tasks of each env,
 as explore does. Written in shards of ``mcts.shard_size`` trees: killed in the middle, a rerun
 keeps the finished shards and searches the rest (a shard's seed is its index). The summary
@@ -26,16 +30,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from flywheel.agent import ACK, derive_seed
-from flywheel.chat import align_turn_ids
+from flywheel.agent import Episode, Turn, derive_seed
 from flywheel.config import Config
-from flywheel.engines.base import Chat, Engine, SamplingParams
+from flywheel.engines.base import Engine, SamplingParams
 from flywheel.envs import EnvSuite, Task
-from flywheel.envs.snapshot import branchable
+from flywheel.envs.snapshot import BranchingEnv, branchable
 from flywheel.mcts import (
     Child,
     Node,
@@ -179,25 +182,48 @@ def _check_opening(suite: EnvSuite) -> None:
         env.close()
 
 
+@dataclass
+class Branch:
+    """What a tree's ``state`` holds: its task, and its env (each node keeps a snapshot)."""
+
+    task: Task
+    env: BranchingEnv
+
+
+def plant(suite: EnvSuite, task: Task, seed: int) -> Tree:
+    """A tree for ``task`` whose root holds the reset env's snapshot: the opening is the one
+    the agent loop writes (instruction, ``Ok.``, first observation). Close ``tree.state.env``."""
+    env = branchable(suite.make)
+    ep = Episode(task=task, session=None)
+    failure = ep.open(suite, env=env)
+    if failure is not None:
+        env.close()
+        raise failure
+    tree = Tree(
+        f"{task.task_id}:0", task.task_id, suite.name, task.split, seed, opening=ep.messages
+    )
+    tree.state, tree.root.state = Branch(task, env), env.snapshot()
+    return tree
+
+
 @contextmanager
 def _open_trees(suite: EnvSuite, tasks: list[Task], seed: int) -> Iterator[list[Tree]]:
-    """A tree per task whose root holds the reset env's snapshot; every env closed on exit."""
+    """A tree per task (``plant``); every env closed on exit."""
     with ExitStack() as stack:
         trees = []
         for task in tasks:
-            env = branchable(suite.make)
-            stack.callback(env.close)
-            opening = [
-                {"role": "user", "content": suite.instruction, "loss": False},
-                {"role": "assistant", "content": ACK, "loss": False},
-                {"role": "user", "content": env.reset(task), "loss": False},
-            ]
-            tree = Tree(
-                f"{task.task_id}:0", task.task_id, suite.name, task.split, seed, opening=opening
-            )
-            tree.state, tree.root.state = env, env.snapshot()
+            tree = plant(suite, task, seed)
+            stack.callback(tree.state.env.close)
             trees.append(tree)
         yield trees
+
+
+def episode_at(node: Node, env: BranchingEnv | None = None) -> Episode:
+    """The episode that reached ``node``: the chat on its path, the stored ids of its turns,
+    and ``env`` (already restored to ``node``'s state) when it is to go on. No engine session:
+    the tree's chats are not one episode's turns in a row."""
+    messages, ids = conversation(node)
+    return Episode.resume(node.tree.state.task, messages, ids, env=env, session=None)
 
 
 def _expander(cfg: Config, engine: Engine, *, seed: int):
@@ -211,10 +237,7 @@ def _expander(cfg: Config, engine: Engine, *, seed: int):
     def expand(leaves: list[Node], n_gen: int) -> list[list[Child]]:
         chats = []
         for leaf in leaves:
-            messages, ids = conversation(leaf)
-            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-            chat = Chat(messages=plain, turn_token_ids=align_turn_ids(plain, ids))
-            chats += [chat] * n_gen  # the same prompt n_gen times: one prefill where shared
+            chats += [episode_at(leaf).chat()] * n_gen  # one prefill where shared
         params = replace(sampling, seed=derive_seed(seed, "level", calls[0]))
         calls[0] += 1
         gens = engine.generate(chats, params) if chats else []
@@ -229,13 +252,17 @@ def _expander(cfg: Config, engine: Engine, *, seed: int):
     return expand
 
 
-def _step(node: Node) -> Outcome:
-    """``step`` for ``search``: the tree's env back at the parent's state, then the turn."""
+def _step(node: Node) -> Outcome | Exception:
+    """``step`` for ``search``: the tree's env back at the parent's state, then the episode
+    there takes the node's turn and steps it (the env's error, if it raised)."""
     assert node.parent is not None  # search steps new children only
-    env = node.tree.state
+    env = node.tree.state.env
     env.restore(node.parent.state)
-    outcome = env.step(node.text)
-    node.state = env.snapshot()
+    ep = episode_at(node.parent, env)
+    ep.take(Turn(node.text, node.token_ids, node.logprobs))
+    outcome = ep.step()
+    if not isinstance(outcome, Exception):
+        node.state = env.snapshot()
     return outcome
 
 

@@ -21,6 +21,10 @@ a leaf's chat and explore ``K`` copies of a task's opening, so each prompt is co
 ``n`` times. Each row still samples on its own, from the same random stream as without sharing:
 the result is the one an unshared batch gives, within float rounding (tests compare both ways).
 
+A chat's ``opening`` ids (engines/base.py) join its prompt after the generation prompt; the
+returned turn starts with them (log-prob 0.0 each), and the session cache holds them like any
+prompt id, so the next turn's prompt (built from the stored opening + generated ids) reuses it.
+
     engine = HFEngine.from_pretrained("ckpt/")
     gens = engine.generate([Chat(messages)], SamplingParams(temperature=0, max_new_tokens=32))
 """
@@ -37,7 +41,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from flywheel.chat import encode_chat
-from flywheel.engines.base import Chat, Generation, SamplingParams
+from flywheel.engines.base import Chat, Generation, SamplingParams, opened
 
 
 @dataclass
@@ -179,12 +183,12 @@ class HFEngine:
 
     def generate(self, chats: list[Chat], params: SamplingParams) -> list[Generation]:
         if params.max_new_tokens < 1:
-            return [
-                Generation(text="", token_ids=[], logprobs=[], finish_reason="length")
-                for _ in chats
-            ]
+            empty = Generation(text="", token_ids=[], logprobs=[], finish_reason="length")
+            return [opened(empty, c.opening, self.tokenizer) for c in chats]
+        # A chat's opening (forced first ids of the turn) is part of its prompt.
         prompts = [
             encode_chat(self.tokenizer, c.messages, c.turn_token_ids, add_generation_prompt=True)[0]
+            + list(c.opening)
             for c in chats
         ]
         cached: list[tuple[_Cached, int] | None] = []
@@ -214,7 +218,10 @@ class HFEngine:
             for chat, state in zip(chats, states, strict=True)
             if chat.session is not None and state is not None
         }
-        return results  # type: ignore[return-value]
+        return [
+            opened(gen, chat.opening, self.tokenizer)  # type: ignore[arg-type]
+            for chat, gen in zip(chats, results, strict=True)
+        ]
 
     @torch.inference_mode()
     def _generate_batch(

@@ -6,7 +6,8 @@ token ids the project's chat encoder builds, and the engine asks for the generat
 (``return_token_ids``) and their log-probs (``logprobs: 1``). ``probe()`` finds out, with one
 tiny request per server, whether the server returns them; a stage that trains on what it
 generates (explore) refuses a server that does not, in one line, before any work starts, while
-evaluation still works from the text (re-tokenized, no log-probs).
+evaluation still works from the text (re-tokenized, no log-probs). A chat's ``opening`` ids
+(engines/base.py) go at the end of the prompt; the reply's ids follow them in the turn returned.
 
 Requests are async (one event loop on a thread the engine owns), spread round-robin over the
 base URLs with at most ``concurrency`` in flight per URL, with a timeout each and retries with
@@ -31,7 +32,7 @@ from typing import Any
 import httpx
 
 from flywheel.chat import encode_chat
-from flywheel.engines.base import Chat, Generation, SamplingParams
+from flywheel.engines.base import Chat, Generation, SamplingParams, opened
 
 
 class EngineError(RuntimeError):
@@ -207,7 +208,7 @@ class OpenAIEngine:
     async def _generate_one(self, chat: Chat, params: SamplingParams) -> Generation:
         prompt = encode_chat(
             self.tokenizer, chat.messages, chat.turn_token_ids, add_generation_prompt=True
-        )[0]
+        )[0] + list(chat.opening)  # forced first ids of the turn: the server generates the rest
         url = self.base_urls[next(self._turn) % len(self.base_urls)]
         body = self._body(
             prompt, params.max_new_tokens, params.temperature, params.top_p, params.seed
@@ -215,7 +216,7 @@ class OpenAIEngine:
         self.stats["requests"] += 1
         reply = await self._request(url, "/v1/completions", body)
         try:
-            return self._generation(reply["choices"][0])
+            return opened(self._generation(reply["choices"][0]), chat.opening, self.tokenizer)
         except (KeyError, IndexError, TypeError) as exc:
             raise EngineError(
                 f"openai engine: {url}/v1/completions replied without {exc}: {_short(str(reply))}"

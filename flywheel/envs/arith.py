@@ -165,6 +165,9 @@ INVALID = (
     "Invalid action. Use <python>print(...)</python> to compute or <answer>NUMBER</answer> "
     "to answer."
 )
+# Reflection hints (ALGORITHMS.md, "Reflection by hint"): the opening of an assistant turn
+# after a flawed step; the policy writes the rest of the turn (its tool call or answer).
+HINTS = ("Wait, let me check the result of that call before I go on.\n",)
 
 
 def split_of(prompt: str) -> str:
@@ -295,6 +298,7 @@ class ArithSuite:
 
     name = "arith"
     instruction = INSTRUCTION
+    hints = HINTS  # how a reflection turn opens (stage reflect)
     Options = ArithOptions  # make_suite checks envs.<name>.options against it
 
     def __init__(

@@ -78,6 +78,10 @@ INSTRUCTION = (
     "command makes are base items."
 )
 INVALID = "Invalid action. Use: get N ITEM, craft ITEM using N ITEM, N ITEM, or inventory."
+# Reflection hints (ALGORITHMS.md, "Reflection by hint"): the opening of an assistant turn
+# after a flawed step. A turn's action is read after its last "Action:", so a hint ends there
+# and the policy writes the action.
+HINTS = ("Thought: Wait, let me check my inventory and the recipe before I go on.\nAction:",)
 
 Recipes = dict[str, list[tuple[str, int]]]
 
@@ -231,6 +235,7 @@ class CraftSuite:
     name = "craft"
     instruction = INSTRUCTION
     noop = NOOP  # the action a revision turn may take: it changes nothing
+    hints = HINTS  # how a reflection turn opens (stage reflect)
     Options = CraftOptions  # make_suite checks envs.<name>.options against it
 
     def __init__(

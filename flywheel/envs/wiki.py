@@ -59,6 +59,9 @@ INSTRUCTION = (
     "name at a time. When you know the answer, reply with <answer>ANSWER</answer>."
 )
 INVALID = "Invalid action. Use <search>QUERY</search> to search or <answer>ANSWER</answer>."
+# Reflection hints (ALGORITHMS.md, "Reflection by hint"): the opening of an assistant turn
+# after a flawed step; the policy writes the rest of the turn (its search or answer).
+HINTS = ("Wait, maybe I should rethink this question and conduct a new search.\n",)
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr",
            "gr", "kr", "st", "tr", "th", "sh", "h", "j")  # fmt: skip
@@ -313,6 +316,7 @@ class WikiSuite:
 
     name = "wiki"
     instruction = INSTRUCTION
+    hints = HINTS  # how a reflection turn opens (stage reflect)
     Options = WikiOptions  # make_suite checks envs.<name>.options against it
 
     def __init__(self, **options: Any) -> None:

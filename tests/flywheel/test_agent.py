@@ -5,7 +5,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from flywheel.agent import expert_episodes, run_episodes
+from flywheel.agent import Episode, drive, expert_episodes, replay, run_episodes
 from flywheel.chat import align_turn_ids, encode_chat
 from flywheel.engines.base import Chat, Generation, SamplingParams
 from flywheel.engines.hf import HFEngine
@@ -320,3 +320,76 @@ def test_a_failed_generation_stops_the_call_and_closes_every_env():
             engine, suite, [task(f"t{i}") for i in range(3)], sampling=SAMPLING, max_steps=4
         )
     assert len(suite.envs) == 3 and all(env.closed for env in suite.envs)
+
+
+# -- episodes from a prefix -----------------------------------------------------------------------
+
+
+def test_replay_gives_the_same_episode_and_can_stop_at_a_step():
+    suite = FakeSuite()
+    (row,) = run_episodes(FakeEngine(), suite, [task("a")], sampling=SAMPLING, max_steps=5)
+    again = replay(suite, task("a"), row["messages"], row["turn_token_ids"], row["turn_logprobs"])
+    assert again.row("fake") == {**row, "seed": 0, "sample_idx": 0}
+    assert again.infos == [
+        {"tool_call": True, "tool_error": True, "tool_ok": False, "invalid": False},
+        {"tool_call": False, "tool_error": False, "tool_ok": False, "invalid": False,
+         "success": True},
+    ]  # fmt: skip
+    assert again.ended and again.env is None and suite.envs[-1].closed
+
+    prefix = replay(suite, task("a"), row["messages"], row["turn_token_ids"], steps=1,
+                    keep_open=True)  # fmt: skip
+    assert prefix.steps == 1 and prefix.finish_reason is None and not prefix.ended
+    assert prefix.messages == row["messages"][:5] and prefix.turn_token_ids == [[1, 2, 3]]
+    assert prefix.env is suite.envs[-1] and not prefix.env.closed
+    prefix.close()
+    broken = replay(suite, task("b", fail_on="step"), row["messages"])
+    assert broken.finish_reason == "error" and broken.infos == [
+        {"error": "RuntimeError: step broke"}
+    ]
+
+
+class OpeningEngine(FakeEngine):
+    """FakeEngine that honours a chat's opening: the turn is its ids, then the generated ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.openings: list[list[int]] = []
+
+    def generate(self, chats, params):
+        self.openings += [list(c.opening) for c in chats]
+        gens = super().generate(chats, params)
+        for chat, gen in zip(chats, gens, strict=True):
+            if chat.opening:  # (the fake env reads the text: the opening adds no words)
+                gen.token_ids = [*chat.opening, *gen.token_ids]
+                gen.logprobs = [0.0] * len(chat.opening) + gen.logprobs
+        return gens
+
+
+def test_a_resumed_episode_goes_on_from_its_prefix_with_the_same_driver():
+    suite, engine = FakeSuite(), OpeningEngine()
+    (row,) = run_episodes(FakeEngine(), suite, [task("a")], sampling=SAMPLING, max_steps=1)
+    assert row["finish_reason"] == "max_steps" and row["steps"] == 1
+    ep = replay(suite, task("a"), row["messages"], row["turn_token_ids"], row["turn_logprobs"],
+                keep_open=True, sample_idx=3)  # fmt: skip
+    ep.opening = [97, 98]
+    (same,) = drive(engine, suite, [ep], sampling=SAMPLING, max_steps=2)
+    assert same is ep and engine.openings == [[97, 98]] and ep.opening == []
+    assert ep.finish_reason == "done" and ep.success and ep.steps == 2 and ep.env is None
+    assert ep.messages[:5] == row["messages"]
+    assert ep.messages[5] == {"role": "assistant", "content": "<answer>49</answer>", "loss": True}
+    assert ep.turn_token_ids == [[1, 2, 3], [97, 98, 2, 3, 4]]
+    assert ep.turn_logprobs[1] == [0.0, 0.0, -0.5, -0.5, -0.5]
+    assert ep.row("fake")["sample_idx"] == 3 and ep.row("fake")["tokens"] == 8
+
+    # the same from an env restored by hand, and a server engine (one request per turn)
+    env = suite.make()
+    env.reset(task("a"))
+    env.step(row["messages"][3]["content"])
+    resumed = Episode.resume(task("a"), row["messages"], row["turn_token_ids"], env=env)
+    resumed.steps = 1
+    (each,) = drive(SubmittingEngine(), suite, [resumed], sampling=SAMPLING, max_steps=2)
+    assert each.finish_reason == "done" and each.steps == 2 and env.closed
+    assert each.messages[-1]["content"] == "<answer>49</answer>"
+    with pytest.raises(ValueError, match="drive: an episode of a already finished \\(done\\)"):
+        drive(FakeEngine(), suite, [each], sampling=SAMPLING, max_steps=2)

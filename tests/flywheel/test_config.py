@@ -122,6 +122,7 @@ def test_artifact_configs_isolate_sections():
         ("expert.n_tasks=5", {"expert"}),
         ("envs.arith.n_val=9", {"tasks"}),
         ("explore.temperature=0.7", {"explore"}),
+        ("reflect.max_evolve_times=2", {"reflect"}),
         ("model.tiny.hidden_size=64", {"init"}),
     ]:
         other = configs([override])

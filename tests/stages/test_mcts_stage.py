@@ -153,6 +153,80 @@ def test_expansions_of_all_trees_share_one_generate_call_per_level(boot):
     assert sum(len(c) for c in engine.calls) >= expanded * mc.n_gen
 
 
+def reference_trees(cfg, engine, suite, tasks, seed):
+    """The search as stages.mcts wrote it before its expansions and steps went through the
+    agent loop's Episode: chats built by hand from the path, env stepped by hand."""
+    from dataclasses import replace
+
+    from flywheel.agent import derive_seed
+    from flywheel.chat import align_turn_ids
+    from flywheel.engines.base import Chat, SamplingParams
+    from flywheel.envs.snapshot import branchable
+    from flywheel.mcts import conversation, search
+
+    trees, envs = [], []
+    for task in tasks:
+        env = branchable(suite.make)
+        envs.append(env)
+        opening = [
+            {"role": "user", "content": suite.instruction, "loss": False},
+            {"role": "assistant", "content": "Ok.", "loss": False},
+            {"role": "user", "content": env.reset(task), "loss": False},
+        ]
+        tree = Tree(f"{task.task_id}:0", task.task_id, suite.name, task.split, seed, opening)
+        tree.state, tree.root.state = env, env.snapshot()
+        trees.append(tree)
+    sampling = SamplingParams(temperature=cfg.mcts.temperature,
+                              max_new_tokens=cfg.engine.max_new_tokens)  # fmt: skip
+    calls = [0]
+    level_seed = derive_seed(seed, 0)
+
+    def expand(leaves, n_gen):
+        chats = []
+        for leaf in leaves:
+            messages, ids = conversation(leaf)
+            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+            chats += [Chat(messages=plain, turn_token_ids=align_turn_ids(plain, ids))] * n_gen
+        params = replace(sampling, seed=derive_seed(level_seed, "level", calls[0]))
+        calls[0] += 1
+        gens = engine.generate(chats, params)
+        return [
+            [Child(g.text, list(g.token_ids), list(g.logprobs), stages.mcts.action_of(g.text))
+             for g in gens[i * n_gen : (i + 1) * n_gen]]
+            for i in range(len(leaves))
+        ]  # fmt: skip
+
+    def step(node):
+        env = node.tree.state
+        env.restore(node.parent.state)
+        outcome = env.step(node.text)
+        node.state = env.snapshot()
+        return outcome
+
+    mc = cfg.mcts
+    search(trees, expand, step, iterations=mc.iterations, max_depth=mc.max_depth,
+           n_gen=mc.n_gen, c=mc.c, seed=derive_seed(seed, "uct", 0))  # fmt: skip
+    for env in envs:
+        env.close()
+    return trees
+
+
+def test_trees_of_a_fixed_seed_are_those_of_the_hand_written_search(boot):
+    """Expanding and stepping through Episode changes no row of a seeded search."""
+    _, cfg, store, refs = boot
+    from flywheel.checkpoint import load_policy
+    from flywheel.engines.hf import HFEngine
+
+    model, tokenizer = load_policy(store, refs["init"])
+    suite = make_suite(cfg.envs[0])
+    tasks = load_tasks(store, refs["train"], env="craft", split="train", limit=4)
+    ours = stages.mcts.search_trees(cfg, HFEngine(model, tokenizer), suite, tasks, seed=11)
+    theirs = reference_trees(cfg, HFEngine(model, tokenizer), suite, tasks, seed=11)
+    rows = [row for tree in ours for row in to_rows(tree)]
+    assert len(rows) > 4 * 2  # the trees grew
+    assert rows == [row for tree in theirs for row in to_rows(tree)]
+
+
 # -- SIGKILL and resume ---------------------------------------------------------------------------
 
 CHILD = """
@@ -250,14 +324,7 @@ def hand_built_tree(suite, task) -> tuple[Tree, dict[str, Node]]:
                                             -> the rest of the expert's plan -> success
     -> c (not an action: invalid, cut)"""
     expert = suite.expert(task)
-    tree = Tree(f"{task.task_id}:0", task.task_id, "craft", "train", seed=5)
-    env = suite.make()
-    tree.opening = [
-        {"role": "user", "content": suite.instruction, "loss": False},
-        {"role": "assistant", "content": "Ok.", "loss": False},
-        {"role": "user", "content": env.reset(task), "loss": False},
-    ]
-    tree.state, tree.root.state = env, env.snapshot()
+    tree = stages.mcts.plant(suite, task, seed=5)
     a = grow(tree.root, expert[0], [11, 2])
     b = grow(a, expert[-1], [12, 2])  # the final craft before its other ingredients
     b2 = grow(b, "inventory", [13, 2], cut=True)

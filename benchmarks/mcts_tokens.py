@@ -143,7 +143,7 @@ def main() -> None:
     )
     for depth in args.depths:
         nodes = [found[depth] for found in paths]
-        chats = [Chat(*conversation(node)) for node in nodes]
+        chats = [conversation(node).chat() for node in nodes]
         engines = {
             "shared": HFEngine(model, tokenizer, prefix_cache=False, share_prefill=True),
             "batched": HFEngine(model, tokenizer, prefix_cache=False, share_prefill=False),

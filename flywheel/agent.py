@@ -38,6 +38,7 @@ from typing import Any
 
 from flywheel.engines.base import Chat, Engine, Generation, SamplingParams
 from flywheel.envs.base import Env, EnvSuite, Task
+from flywheel.trajectory import Trajectory, align_turn_ids
 
 ACK = "Ok."
 _SESSIONS = itertools.count()  # a distinct engine session per episode, across calls
@@ -78,7 +79,7 @@ class Episode:
     whatever plays it (the lockstep and per-episode drivers, ``replay``, the MCTS search).
 
     ``turn_token_ids``/``turn_logprobs`` hold the generated turns' ids, which are the last
-    assistant messages (``flywheel.chat.align_turn_ids``). ``infos`` holds every env step's
+    assistant messages (``flywheel.trajectory``). ``infos`` holds every env step's
     ``info`` (``{"error": ...}`` for a step that raised); it is not part of the row.
     ``opening``: token ids the next assistant turn must start with (the engine generates the
     rest); emptied once that turn is taken. ``session``: the engine session (None: the engine
@@ -132,15 +133,11 @@ class Episode:
         """Whether the env ended the episode (done, or an env error): it cannot go on."""
         return self.finish_reason in ("done", "error")
 
+    def trajectory(self) -> Trajectory:
+        return Trajectory(self.messages, self.turn_token_ids, self.turn_logprobs)
+
     def chat(self) -> Chat:
-        messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-        n_assistant = sum(m["role"] == "assistant" for m in messages)
-        return Chat(
-            messages=messages,
-            turn_token_ids=_aligned(self.turn_token_ids, n_assistant),
-            session=self.session,
-            opening=list(self.opening),
-        )
+        return self.trajectory().chat(session=self.session, opening=list(self.opening))
 
     def say(self, role: str, content: str, loss: bool = False) -> None:
         self.messages.append({"role": role, "content": content, "loss": loss})
@@ -223,12 +220,12 @@ class Episode:
                 env.close()
 
     def row(self, env_name: str) -> dict:
-        return {
+        """The episode as a ``trajectories`` contract row."""
+        fields = {
             "task_id": self.task.task_id,
             "env": env_name,
             "split": self.task.split,
             "sample_idx": self.sample_idx,
-            "messages": self.messages,
             "reward": float(self.reward),
             "success": bool(self.success),
             "steps": self.steps,
@@ -239,9 +236,8 @@ class Episode:
             "tokens": sum(len(t) for t in self.turn_token_ids),
             "finish_reason": self.finish_reason,
             "seed": self.seed,
-            "turn_token_ids": self.turn_token_ids,
-            "turn_logprobs": self.turn_logprobs,
         }
+        return Trajectory(self.messages, self.turn_token_ids, self.turn_logprobs, fields).to_row()
 
 
 class _Lifecycle:
@@ -515,15 +511,6 @@ def expert_episodes(
     return [ep.row(suite.name) for ep in episodes]
 
 
-def _aligned(values: Sequence[Sequence[Any]], n: int) -> list[list[Any]]:
-    """Stored per-turn values (ids or log-probs of the last generated turns) for each of
-    ``n`` assistant messages; [] for the ones without (the rule of
-    ``flywheel.chat.align_turn_ids``)."""
-    if len(values) > n:
-        raise ValueError(f"{len(values)} stored turns for {n} assistant messages")
-    return [[] for _ in range(n - len(values))] + [list(v) for v in values]
-
-
 def replay(
     suite: EnvSuite,
     task: Task,
@@ -547,9 +534,8 @@ def replay(
         ep.fail(failure)
         ep.close()
         return ep
-    n_assistant = sum(m["role"] == "assistant" for m in messages)
-    ids = _aligned(turn_token_ids, n_assistant)
-    logprobs = _aligned(turn_logprobs, n_assistant)
+    ids = align_turn_ids(messages, turn_token_ids)
+    logprobs = align_turn_ids(messages, turn_logprobs)
     turns = [
         Turn(m["content"], ids[i] or None, logprobs[i] if ids[i] else None)
         for i, m in enumerate(m for m in messages if m["role"] == "assistant")

@@ -16,7 +16,7 @@ assistant messages a trajectory's stored ids belong to is ``flywheel.trajectory`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # keeps this module importable without loading transformers
     from transformers import PreTrainedTokenizerBase
@@ -130,13 +130,3 @@ def encode_chat(
         prompt = _render(tokenizer, messages, True)
         extend(_ids(tokenizer, _delta(prompt, previous, "the generation prompt")), False)
     return ids, mask
-
-
-def __getattr__(name: str) -> Any:
-    # align_turn_ids moved to flywheel.trajectory; still importable from here until the agent
-    # loop, the tree search and `flywheel show` use Trajectory.
-    if name == "align_turn_ids":
-        from flywheel.trajectory import align_turn_ids
-
-        return align_turn_ids
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

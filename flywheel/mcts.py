@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.trajectory import Trajectory
+
 Outcome = tuple[str, float, bool, dict[str, Any]]
 
 
@@ -314,26 +316,13 @@ def turns(steps: Sequence[Node], *, loss: bool, observe_done: bool = False) -> l
     return messages
 
 
-def trailing_ids(steps: Sequence[Node]) -> tuple[list[list[int]], list[list[float]]]:
-    """Stored ids and log-probs of the last steps that have ids: stored turn ids belong to
-    the *last* assistant messages (``flywheel.chat.align_turn_ids``), so a step without ids
-    ends the run."""
-    ids: list[list[int]] = []
-    logprobs: list[list[float]] = []
-    for node in reversed(steps):
-        if not node.token_ids:
-            break
-        ids.append(list(node.token_ids))
-        logprobs.append(list(node.logprobs))
-    return ids[::-1], logprobs[::-1]
-
-
-def conversation(node: Node) -> tuple[list[dict], list[list[int]]]:
-    """The chat that leads to ``node`` (opening, then every turn and observation on its path)
-    and the stored ids of its last generated turns: what ``expand`` sends to the engine."""
+def conversation(node: Node) -> Trajectory:
+    """The trajectory that leads to ``node``: the opening, then every turn and observation on its
+    path, with the stored ids of its last generated turns (what ``expand`` sends the engine)."""
     steps = path(node)[1:]
-    messages = [dict(m) for m in node.tree.opening] + turns(steps, loss=True)
-    return messages, trailing_ids(steps)[0]
+    return Trajectory([dict(m) for m in node.tree.opening]) + Trajectory.from_turns(
+        turns(steps, loss=True), [n.token_ids for n in steps], [n.logprobs for n in steps]
+    )
 
 
 def summary(trees: Sequence[Tree]) -> dict[str, float]:

@@ -222,8 +222,15 @@ def episode_at(node: Node, env: BranchingEnv | None = None) -> Episode:
     """The episode that reached ``node``: the chat on its path, the stored ids of its turns,
     and ``env`` (already restored to ``node``'s state) when it is to go on. No engine session:
     the tree's chats are not one episode's turns in a row."""
-    messages, ids = conversation(node)
-    return Episode.resume(node.tree.state.task, messages, ids, env=env, session=None)
+    traj = conversation(node)
+    return Episode.resume(
+        node.tree.state.task,
+        traj.messages,
+        traj.turn_token_ids,
+        traj.turn_logprobs,
+        env=env,
+        session=None,
+    )
 
 
 def _expander(cfg: Config, engine: Engine, *, seed: int):

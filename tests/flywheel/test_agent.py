@@ -6,10 +6,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from flywheel.agent import Episode, drive, expert_episodes, replay, run_episodes
-from flywheel.chat import align_turn_ids, encode_chat
+from flywheel.chat import encode_chat
 from flywheel.engines.base import Chat, Generation, SamplingParams
 from flywheel.engines.hf import HFEngine
 from flywheel.envs.base import Task
+from flywheel.trajectory import align_turn_ids
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8)
 ROW_KEYS = {

@@ -158,8 +158,9 @@ class Toy:
                     for k, w in enumerate(words)
                 ]
             )
-            messages, ids = conversation(leaf)
-            assert len(ids) == leaf.depth and len(messages) == len(OPENING) + 2 * leaf.depth
+            traj = conversation(leaf)
+            assert len(traj.turn_token_ids) == leaf.depth
+            assert len(traj.messages) == len(OPENING) + 2 * leaf.depth
         return out
 
     def step(self, node: Node) -> tuple[str, float, bool, dict]:
@@ -300,13 +301,14 @@ def test_conversation_gives_the_chat_and_the_last_generated_ids():
     settle(b, ("You are at 2.", 0.0, False, {}), 5)
     c = tree.add(b, Child("Action: +1", [7, 2], [-0.25, -0.5]))
     settle(c, ("You reached 3.", 1.0, True, {"success": True}), 5)
-    messages, ids = conversation(c)
-    assert messages == OPENING + [
+    traj = conversation(c)
+    assert traj.messages == OPENING + [
         {"role": "assistant", "content": "Action: +1", "loss": True},
         {"role": "user", "content": "You are at 1.", "loss": False},
         {"role": "assistant", "content": "Action: +1", "loss": True},
         {"role": "user", "content": "You are at 2.", "loss": False},
         {"role": "assistant", "content": "Action: +1", "loss": True},
     ]  # the episode ended: no observation after the last turn
-    assert ids == [[7, 2]]  # only the trailing run of turns with ids
-    assert conversation(b)[1] == []
+    assert traj.turn_token_ids == [[7, 2]]  # only the trailing run of turns with ids
+    assert traj.turn_logprobs == [[-0.25, -0.5]]
+    assert conversation(b).turn_token_ids == []

@@ -19,10 +19,11 @@ import polars as pl
 import pytest
 import torch
 
-from flywheel.chat import align_turn_ids, encode_chat
+from flywheel.chat import encode_chat
 from flywheel.checkpoint import load_policy
 from flywheel.config import load_config
 from flywheel.store import Store
+from flywheel.trajectory import align_turn_ids
 from stages import evaluate, explore
 from tests.conftest import run_flywheel, tiny_overrides
 from tests.integration.test_openai_engine import episodes

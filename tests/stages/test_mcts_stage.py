@@ -159,10 +159,10 @@ def reference_trees(cfg, engine, suite, tasks, seed):
     from dataclasses import replace
 
     from flywheel.agent import derive_seed
-    from flywheel.chat import align_turn_ids
     from flywheel.engines.base import Chat, SamplingParams
     from flywheel.envs.snapshot import branchable
     from flywheel.mcts import conversation, search
+    from flywheel.trajectory import align_turn_ids
 
     trees, envs = [], []
     for task in tasks:
@@ -184,9 +184,9 @@ def reference_trees(cfg, engine, suite, tasks, seed):
     def expand(leaves, n_gen):
         chats = []
         for leaf in leaves:
-            messages, ids = conversation(leaf)
-            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-            chats += [Chat(messages=plain, turn_token_ids=align_turn_ids(plain, ids))] * n_gen
+            traj = conversation(leaf)
+            plain = [{"role": m["role"], "content": m["content"]} for m in traj.messages]
+            chats += [Chat(plain, align_turn_ids(plain, traj.turn_token_ids))] * n_gen
         params = replace(sampling, seed=derive_seed(level_seed, "level", calls[0]))
         calls[0] += 1
         gens = engine.generate(chats, params)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from flywheel.agent import run_episodes
-from flywheel.chat import align_turn_ids, encode_chat
+from flywheel.chat import encode_chat
 from flywheel.engines.base import Chat, SamplingParams
 from flywheel.engines.hf import HFEngine
 from flywheel.envs.arith import ArithSuite
+from flywheel.trajectory import align_turn_ids
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=5)

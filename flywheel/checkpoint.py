@@ -77,6 +77,8 @@ def train_summary(result: Any) -> dict[str, Any]:
         "train_tokens": result.tokens,
         "stop_reason": result.stop_reason,
     }
+    if result.lr_drop_steps:
+        out["lr_drop_steps"] = list(result.lr_drop_steps)
     if result.best_step is not None:
         out |= {"best_step": result.best_step, "val_score": result.best_score}
         found = [

@@ -327,6 +327,17 @@ class TrainSection(Section):
         ge=0,
         description="A validation improves only when it beats the best by more than this.",
     )
+    lr_drops: int = Field(
+        default=0,
+        ge=0,
+        description="With validation: when patience runs out, go back to the best checkpoint, multiply the lr by lr_drop_factor, reset the optimizer's moments and continue with fresh patience, up to this many times; 0 = stop at the first plateau.",
+    )
+    lr_drop_factor: float = Field(
+        default=0.1,
+        gt=0,
+        lt=1,
+        description="What each of the lr_drops multiplies the learning rate by.",
+    )
 
     @model_validator(mode="after")
     def _ranks_share_steps(self) -> TrainSection:

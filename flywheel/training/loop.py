@@ -10,7 +10,12 @@ training knobs and their defaults are defined); the loss's own numbers (DPO's be
 Validation: with `cfg.val_every > 0` and a `validate(module) -> {"score": ..., ...}` callback
 (higher is better), the loop validates before the first step and every `val_every` steps, keeps
 the best weights in `out_dir/_best`, stops after `cfg.patience` validations without an
-improvement of more than `cfg.min_delta`, and leaves the best weights in `out_dir`. A token
+improvement of more than `cfg.min_delta`, and leaves the best weights in `out_dir`. With
+`cfg.lr_drops > 0` a plateau does not stop training at first: the loop goes back to the best
+weights, multiplies the learning rate by `cfg.lr_drop_factor`, starts the optimizer's moments
+afresh and continues with fresh patience, up to `lr_drops` times (reduce-on-plateau with a
+return to the best point: a constant-lr run stopped by validation is not yet the best its data
+can give). A token
 budget (`max_tokens`) stops training once that many tokens were trained (compute matching). The loop wraps the model in a
 DeepSpeed engine (ZeRO stage from the config; gloo on CPU, the accelerator's backend elsewhere),
 with a torch AdamW and a warmup + cosine LambdaLR, walks length-bucketed micro-batches, and saves a
@@ -96,6 +101,7 @@ class TrainResult:
     best_score: float | None = None
     stopped_early: bool = False  # patience ran out before the step cap
     stop_reason: str = "steps"  # steps | patience | tokens
+    lr_drop_steps: list[int] = field(default_factory=list)  # steps where a plateau cut the lr
 
 
 def train(
@@ -197,8 +203,18 @@ def train(
                 reason = "tokens"
                 break
             if validating and st.bad >= cfg.patience:
-                reason = "patience"
-                break
+                if len(st.drops) >= cfg.lr_drops:
+                    reason = "patience"
+                    break
+                old = scheduler.get_last_lr()[0]
+                _restart_from_best(engine, scheduler, out_dir / BEST_DIR, cfg.lr_drop_factor)
+                st.drops.append(step)
+                st.bad = 0
+                bar.note(
+                    f"[train {loss}] plateau at step {step}: back to step {st.best_step}, "
+                    f"lr {old:.2e} -> {scheduler.get_last_lr()[0]:.2e} "
+                    f"(drop {len(st.drops)}/{cfg.lr_drops})"
+                )
             if local_epoch != epoch:
                 local, local_epoch = _local_batches(lengths, cfg, seed, epoch, rank, world), epoch
             group = local[batch_index : batch_index + accum]
@@ -252,8 +268,39 @@ def train(
         step, final, st.validations + history, time.perf_counter() - start, tokens=st.tokens,
         best_step=st.best_step if validating else None,
         best_score=st.best_score if validating else None,
-        stopped_early=reason == "patience", stop_reason=reason,
+        stopped_early=reason == "patience", stop_reason=reason, lr_drop_steps=list(st.drops),
     )  # fmt: skip
+
+
+def _restart_from_best(engine: Any, scheduler: Any, best_dir: Path, factor: float) -> None:
+    """Load the best validated weights (rank 0 saved them to `best_dir`) into every rank's
+    module and the optimizer's fp32 copies, clear the optimizer's moments and scale the
+    learning rate by `factor` from the next step on."""
+    from safetensors.torch import load_file
+
+    dist.barrier()  # rank 0 wrote best_dir
+    module = engine.module
+    saved = load_file(str(best_dir / "model.safetensors"))
+    missing, unexpected = module.load_state_dict(saved, strict=False)
+    # save_pretrained leaves out tied copies (the lm head tied to the embeddings): those alone
+    # may be missing, and only when the module really ties them.
+    tied = {name for name, p in module.named_parameters(remove_duplicate=False)} - {
+        name for name, _ in module.named_parameters()
+    }
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(
+            f"{best_dir} does not match the model being trained "
+            f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "refresh_fp32_params"):
+        optimizer.refresh_fp32_params()  # ZeRO / mixed precision keep fp32 master weights
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner.state.clear()
+    scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    for group in scheduler.optimizer.param_groups:
+        group["lr"] *= factor
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
 def _validate(
@@ -586,6 +633,7 @@ class _State:
     best_score: float | None = None
     best_step: int | None = None
     bad: int = 0  # validations since the last improvement
+    drops: list[int] = field(default_factory=list)  # steps where a plateau cut the lr
     validations: list[dict[str, float]] = field(default_factory=list)  # the one before step 1
 
 

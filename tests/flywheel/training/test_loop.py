@@ -416,6 +416,91 @@ def test_early_stopping_keeps_the_best_validated_weights(tmp_path: Path) -> None
     assert validated[2]["val_made_up"] == 0.5
 
 
+# Validation scores by step for the lr-drop tests: best at step 2, then two worse validations
+# (patience 2) at steps 4 and 6 -> back to step 2's weights at a tenth of the lr; step 8 is a
+# new best, steps 10 and 12 use up patience again and no drop is left.
+DROP_CURVE = {0: 0.1, 2: 0.5, 4: 0.4, 6: 0.3, 8: 0.6, 10: 0.2, 12: 0.2}
+DROP_CFG = CFG | {
+    "epochs": 50, "schedule": "constant", "val_every": 2, "patience": 2, "lr_drops": 1,
+    "lr_drop_factor": 0.1,
+}  # fmt: skip
+
+
+def scripted(steps: list[int], seen: dict[int, torch.Tensor]):
+    """A validate callback that returns DROP_CURVE's score for each step in `steps`, in turn,
+    and keeps the weights it was shown."""
+    order = iter(steps)
+
+    def validate(module: torch.nn.Module) -> dict[str, float]:
+        step = next(order)
+        seen[step] = params(module).clone()
+        return {"score": DROP_CURVE[step]}
+
+    return validate
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_plateau_drops_the_lr_and_restarts_from_the_best_weights(
+    tmp_path: Path, stage: int
+) -> None:
+    seen: dict[int, torch.Tensor] = {}
+    result = train(
+        tiny_model(), counting(16), loss="sft", cfg=DROP_CFG | {"zero_stage": stage},
+        out_dir=tmp_path, validate=scripted(sorted(DROP_CURVE), seen),
+    )  # fmt: skip
+    assert (result.steps, result.best_step, result.stop_reason) == (12, 8, "patience")
+    assert result.lr_drop_steps == [6]
+    lrs = {h["step"]: h["lr"] for h in result.history if "lr" in h}
+    assert [lrs[s] for s in (1, 6)] == pytest.approx([1e-2, 1e-2])
+    assert [lrs[s] for s in (7, 8, 12)] == pytest.approx([1e-3, 1e-3, 1e-3])
+    # Steps 7 and 8 started from step 2's weights with fresh Adam moments: each moves every
+    # weight by about the lr (1e-3); going on from step 6's weights would be 10x further away.
+    assert (seen[6] - seen[2]).abs().max() > 1e-2
+    assert (seen[8] - seen[2]).abs().max() < 3e-3
+    assert torch.equal(saved_params(tmp_path), seen[8])
+
+
+def test_no_drop_left_stops_at_the_first_plateau(tmp_path: Path) -> None:
+    seen: dict[int, torch.Tensor] = {}
+    result = train(
+        tiny_model(), counting(16), loss="sft", cfg=DROP_CFG | {"lr_drops": 0},
+        out_dir=tmp_path, validate=scripted(sorted(DROP_CURVE), seen),
+    )  # fmt: skip
+    assert (result.steps, result.best_step, result.lr_drop_steps) == (6, 2, [])
+
+
+def test_resume_after_an_lr_drop_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    cfg = DROP_CFG | {"checkpoint_every": 1}
+    steps = sorted(DROP_CURVE)
+    straight = train(
+        tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path / "straight",
+        validate=scripted(steps, {}),
+    )  # fmt: skip
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_9(record: dict) -> None:
+        if record["step"] == 9:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(
+            tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path / "resumed",
+            validate=scripted([s for s in steps if s <= 8], {}), log=crash_at_9,
+        )  # fmt: skip
+    resumed = train(
+        tiny_model(seed=7), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path / "resumed",
+        validate=scripted([s for s in steps if s > 9], {}),
+    )  # fmt: skip
+    assert resumed.lr_drop_steps == straight.lr_drop_steps == [6]
+    assert [r["lr"] for r in resumed.history if "lr" in r][-4:] == pytest.approx([1e-3] * 4)
+    assert [r["loss"] for r in resumed.history if "loss" in r] == pytest.approx(
+        [r["loss"] for r in straight.history if "loss" in r]
+    )
+    assert torch.allclose(saved_params(tmp_path / "straight"), saved_params(tmp_path / "resumed"))
+
+
 def test_min_delta_counts_small_gains_as_no_improvement(tmp_path: Path) -> None:
     curve = iter([0.1, 0.15, 0.19, 0.5])
     cfg = CFG | {"epochs": 50, "val_every": 1, "patience": 2, "min_delta": 0.1}

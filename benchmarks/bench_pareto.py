@@ -1,14 +1,19 @@
 """Benchmark: the vectorised Pareto selection of flywheel/pareto.py (per-trajectory ranks, ETO and
 best-vs-worst pairs, ET-Agent group selection) next to a plain-Python version of the same
-selection (loops over row dicts, the textbook O(N^2) non-dominated sort).
+selection (loops over row dicts, the textbook O(N^2) non-dominated sort, and each pair's sides
+cut row by row with ``flywheel.trajectory.Trajectory.split``, where the vectorised path evaluates
+the same stored-ids rule, ``stored_span``, on whole columns).
 
     .venv/bin/python -m benchmarks.bench_pareto                      # 1,000,000 trajectories, K=8
     .venv/bin/python -m benchmarks.bench_pareto --n 100000 --python-n 8000 --stage
+    .venv/bin/python -m benchmarks.bench_pareto --n 4000 --python-n 800     # a few seconds
 
 The synthetic trajectories are built column by column in Arrow (no Python rows). Plain Python
 runs on a subsample (the first ``--python-n`` trajectories, whole tasks); both implementations
 run on that subsample and must agree exactly, and the table compares per-trajectory times.
-``--stage`` also times stages.pareto end to end (artifact read, both writes, the plot).
+Every pair's prompt is the chosen side's opening, the messages before its first trained
+assistant turn (here instruction, ``Ok.``, first observation). ``--stage`` also times
+stages.pareto end to end (artifact read, both writes, the plot).
 """
 
 from __future__ import annotations
@@ -18,16 +23,19 @@ import math
 import tempfile
 import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
 from data_contracts import trajectories
-from flywheel.pareto import PROMPT_MESSAGES, build_pairs, select_groups, trajectory_ranks
+from flywheel.pareto import build_pairs, select_groups, trajectory_ranks
+from flywheel.trajectory import Trajectory
 
 BUDGET_SHARE = 4  # select a quarter of the tasks' groups, so a front overflows and is cut
+OPENING = 3  # the synthetic trajectories open with instruction, Ok., first observation
 
 
 # -- synthetic data ---------------------------------------------------------------------------------
@@ -35,17 +43,17 @@ BUDGET_SHARE = 4  # select a quarter of the tasks' groups, so a front overflows 
 
 def _messages(turns: np.ndarray, ends_on_assistant: np.ndarray) -> pa.Array:
     """instruction, Ok., first observation, then (action, observation) per turn."""
-    n_msgs = PROMPT_MESSAGES + 2 * turns - ends_on_assistant
+    n_msgs = OPENING + 2 * turns - ends_on_assistant
     offsets = np.r_[0, np.cumsum(n_msgs)].astype(np.int32)
     pos = np.arange(offsets[-1]) - np.repeat(offsets[:-1], n_msgs)
-    assistant = (pos == 1) | ((pos >= PROMPT_MESSAGES) & ((pos - PROMPT_MESSAGES) % 2 == 0))
+    assistant = (pos == 1) | ((pos >= OPENING) & ((pos - OPENING) % 2 == 0))
     text = np.where(pos == 0, 0, np.where(pos == 1, 1, np.where(assistant, 2, 3))).astype(np.int32)
     words = pa.array(["Solve the task.", "Ok.", "Thought: add.\nAction: <python>1+1</python>", "2"])
     content = pa.DictionaryArray.from_arrays(pa.array(text), words).cast(pa.string())
     role = pa.DictionaryArray.from_arrays(
         pa.array(assistant.astype(np.int32)), pa.array(["user", "assistant"])
     )
-    loss = pa.array(assistant & (pos >= PROMPT_MESSAGES))
+    loss = pa.array(assistant & (pos >= OPENING))
     structs = pa.StructArray.from_arrays(
         [role.cast(pa.string()), content, loss], fields=list(trajectories.MESSAGE)
     )
@@ -140,7 +148,7 @@ def synth(n: int, k: int, seed: int = 0) -> tuple[pl.DataFrame, pl.DataFrame]:
         },
         schema=trajectories.SCHEMA,
     )
-    return pl.from_arrow(explore), pl.from_arrow(expert)
+    return cast(pl.DataFrame, pl.from_arrow(explore)), cast(pl.DataFrame, pl.from_arrow(expert))
 
 
 # -- the vectorised selection -----------------------------------------------------------------------
@@ -213,16 +221,25 @@ def _crowding(points: list[tuple], front: list[int]) -> list[float]:
     return dist
 
 
-def _cut(msgs: list[dict], ids: list, limit: int) -> tuple[list[dict], list] | None:
-    at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    kept = [i for i in at if i < limit]
-    in_prompt = sum(i < PROMPT_MESSAGES for i in at)
-    if len(kept) <= in_prompt:
+def _opening(msgs: Sequence[dict]) -> int:
+    """Messages before the first trained assistant turn (all of them when none is trained)."""
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant" and m["loss"]:
+            return i
+    return len(msgs)
+
+
+def _cut(row: dict, opening: int, limit: int) -> tuple[list[dict], list] | None:
+    """The row's continuation after its first ``opening`` messages, cut after its last assistant
+    turn before message ``limit``, with the stored ids of its generated turns: two
+    ``Trajectory.split`` calls, the row-by-row path. None when no assistant turn is left."""
+    msgs = row["messages"]
+    last = max((i for i, m in enumerate(msgs[:limit]) if m["role"] == "assistant"), default=-1)
+    if last < opening:
         return None
-    first_generated = len(at) - len(ids)
-    start = max(first_generated, in_prompt) - first_generated
-    stop = max(len(kept) - first_generated, 0)
-    return msgs[PROMPT_MESSAGES : kept[-1] + 1], [list(x) for x in ids[start : max(stop, start)]]
+    head, _ = Trajectory(msgs, row["turn_token_ids"]).split(last + 1)
+    _, continuation = head.split(opening)
+    return continuation.messages, continuation.turn_token_ids
 
 
 def python_selection(
@@ -288,8 +305,9 @@ def _python_pairs(
             candidates.append(("best_worst", rows[best], rows[worst]))
     pairs = []
     for kind, c, r in candidates:
-        chosen = _cut(c["messages"], c["turn_token_ids"], len(c["messages"]))
-        rejected = _cut(r["messages"], r["turn_token_ids"], len(c["messages"]) + cut_extra)
+        opening = _opening(c["messages"])  # the chosen side's, for both sides
+        chosen = _cut(c, opening, len(c["messages"]))
+        rejected = _cut(r, opening, len(c["messages"]) + cut_extra)
         if chosen and rejected:
             policy = c["policy"] if c["sample_idx"] >= 0 else r["policy"]
             pairs.append(
@@ -302,7 +320,7 @@ def _python_pairs(
                     c["reward"],
                     r["reward"],
                     policy,
-                    c["messages"][:PROMPT_MESSAGES],
+                    c["messages"][:opening],
                     *chosen,
                     *rejected,
                 )
@@ -365,16 +383,21 @@ def _as_python(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_same(vec: dict[str, Any], ref: dict[str, Any]) -> None:
-    assert vec["ranks"] == ref["ranks"], "per-trajectory ranks differ"
-    assert vec["pairs"] == ref["pairs"], (
-        f"pairs differ ({len(vec['pairs'])} vs {len(ref['pairs'])})"
-    )
-    assert len(vec["groups"]) == len(ref["groups"]), "selected group counts differ"
+    """Raise AssertionError (also under ``python -O``) where the two selections differ."""
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise AssertionError(f"vectorised and plain Python differ: {what}")
+
+    expect(vec["ranks"] == ref["ranks"], "per-trajectory ranks")
+    expect(vec["pairs"] == ref["pairs"], f"pairs ({len(vec['pairs'])} vs {len(ref['pairs'])})")
+    expect(len(vec["groups"]) == len(ref["groups"]), "selected group counts")
     for (ka, fa, ca), (kb, fb, cb) in zip(vec["groups"], ref["groups"], strict=True):
         # exact: both sides compute the variances from integer sums and crowding with the same
         # float operations in the same order
-        assert (ka, fa, ca) == (kb, fb, cb), (
-            f"selected group {ka} (front {fa}, crowding {ca}) vs {kb}, {fb}, {cb}"
+        expect(
+            (ka, fa, ca) == (kb, fb, cb),
+            f"selected group {ka} (front {fa}, crowding {ca}) vs {kb}, {fb}, {cb}",
         )
 
 
@@ -409,7 +432,8 @@ def run_stage(explore: pl.DataFrame, expert: pl.DataFrame, budget: int) -> float
     return elapsed
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; the times (``full``, ``subsample``, ``python``) and the sizes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1_000_000, help="explore trajectories")
     ap.add_argument("--k", type=int, default=8, help="samples per task")
@@ -417,7 +441,10 @@ def main() -> None:
         "--python-n", type=int, default=16_000, help="trajectories in the plain-Python subsample"
     )
     ap.add_argument("--stage", action="store_true", help="also time stages.pareto end to end")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for name in ("n", "k", "python_n"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
 
     t0 = time.perf_counter()
     explore, expert = synth(args.n, args.k)
@@ -464,8 +491,17 @@ def main() -> None:
         "ratio: same subsample, same output. per-traj ratio: plain Python's us/traj on the subsample over the\n"
         "vectorised us/traj on the full run (Python's group sort is O(N^2), so at full size it would be worse)."
     )
+    stage_seconds = None
     if args.stage:
-        run_stage(explore, expert, budget=len(expert) // BUDGET_SHARE)
+        stage_seconds = run_stage(explore, expert, budget=len(expert) // BUDGET_SHARE)
+    return {
+        "n": n,
+        "subsample": m,
+        "pairs": len(ref["pairs"]),
+        "groups": len(ref["groups"]),
+        "times": {"full": full_times, "subsample": sub_times, "python": py_times},
+        "stage_seconds": stage_seconds,
+    }
 
 
 if __name__ == "__main__":

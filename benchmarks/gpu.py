@@ -56,13 +56,13 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch
 import transformers
 
+from benchmarks._policy import tiny_policy
 from benchmarks.rollouts import TimedSuite
 from flywheel.agent import run_episodes
 from flywheel.config import DpoConfig, TrainSection
 from flywheel.engines.base import SamplingParams
 from flywheel.engines.hf import HFEngine
 from flywheel.envs.craft import CraftSuite
-from flywheel.model import build_tiny_model, train_tokenizer
 from flywheel.training import data
 from flywheel.training.loop import LossParams, compute_ref_logps, train
 from flywheel.trajectory import Trajectory
@@ -117,20 +117,14 @@ def _timed(device: torch.device, fn: Callable[[], Any]) -> float:
 
 def build_policy(suite: CraftSuite, shape: dict[str, int]) -> tuple[torch.nn.Module, Any]:
     """A random-init Llama of ``shape`` and a tokenizer trained on craft text (float32, CPU)."""
-    tasks = suite.tasks("train", 200, seed=123)
-    texts = [suite.instruction, *(t.prompt for t in tasks)]
-    texts += [turn for t in tasks[:50] for turn in suite.expert(t)]
-    tokenizer = train_tokenizer(texts)
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=shape["hidden"],
-        num_layers=shape["layers"],
-        num_heads=shape["heads"],
-        intermediate_size=shape["intermediate"],
-        max_position_embeddings=4096,
-        seed=0,
+    return tiny_policy(
+        suite,
+        hidden=shape["hidden"],
+        layers=shape["layers"],
+        heads=shape["heads"],
+        intermediate=shape["intermediate"],
+        max_positions=4096,
     )
-    return model, tokenizer
 
 
 def parameter_count(model: torch.nn.Module) -> int:

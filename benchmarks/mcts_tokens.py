@@ -34,13 +34,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from benchmarks._policy import tiny_policy
 from flywheel.agent import ACK
 from flywheel.engines.base import Chat, Generation, SamplingParams
 from flywheel.engines.hf import HFEngine
 from flywheel.envs.base import Task
 from flywheel.envs.craft import CraftSuite
 from flywheel.mcts import Child, Node, Tree, conversation
-from flywheel.model import build_tiny_model, train_tokenizer
 
 GOAL = 3.0  # issue 11: at least 3x fewer tokens per expanded node at depth 4 and beyond
 
@@ -74,19 +74,12 @@ def nodes_at(suite: CraftSuite, task: Task, depths: list[int]) -> dict[int, Node
 
 
 def policy(suite: CraftSuite, tasks: list[Task], hidden: int, layers: int):
-    texts = [suite.instruction, *(t.prompt for t in suite.tasks("train", 200, seed=1))]
-    texts += [turn for t in tasks for turn in suite.expert(t)]
-    tokenizer = train_tokenizer(texts)
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=4,
-        intermediate_size=3 * hidden,
-        max_position_embeddings=2048,
-        seed=0,
-    ).eval()
-    return model, tokenizer
+    """The tiny policy, its tokenizer trained on craft prompts and the oracle turns of ``tasks``."""
+    prompts = suite.tasks("train", 200, seed=1)
+    model, tokenizer = tiny_policy(
+        suite, hidden=hidden, layers=layers, prompts=prompts, experts=tasks
+    )
+    return model.eval(), tokenizer
 
 
 def expand(

@@ -22,28 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from benchmarks._policy import tiny_policy
 from flywheel.agent import run_episodes
 from flywheel.engines.base import SamplingParams
 from flywheel.engines.hf import HFEngine
 from flywheel.envs.arith import ArithSuite
-from flywheel.model import build_tiny_model, train_tokenizer
-
-
-def policy(suite: ArithSuite, hidden: int, layers: int):
-    tasks = suite.tasks("train", 200, seed=123)
-    texts = [suite.instruction, *(t.prompt for t in tasks)]
-    texts += [turn for t in tasks[:50] for turn in suite.expert(t)]
-    tokenizer = train_tokenizer(texts)
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=4,
-        intermediate_size=3 * hidden,
-        max_position_embeddings=2048,
-        seed=0,
-    ).eval()
-    return model, tokenizer
 
 
 def benchmark_policy(suite: ArithSuite, args: argparse.Namespace):
@@ -53,7 +36,8 @@ def benchmark_policy(suite: ArithSuite, args: argparse.Namespace):
 
         print(f"policy {args.checkpoint}: ", end="")
         return load_policy(args.checkpoint)
-    return policy(suite, args.hidden, args.layers)
+    model, tokenizer = tiny_policy(suite, hidden=args.hidden, layers=args.layers)
+    return model.eval(), tokenizer
 
 
 def run(engine: HFEngine, suite: ArithSuite, n: int, args: argparse.Namespace):

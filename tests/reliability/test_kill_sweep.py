@@ -309,7 +309,8 @@ def kill_once(
 
 def sweep_kills(sweep, kills_per_stage: int, seed: int, middle: bool = False) -> dict[str, Tally]:
     """``middle``: kill in the middle half of the progress lines only, so that one kill per
-    stage is sure to exercise the resume (a train state saved, shards finished)."""
+    stage is sure to exercise the resume (a train state saved, shards finished) and lands
+    before the commit."""
     root, expected, took, lines = sweep
     rng = random.Random(seed)
     tallies = {t: Tally() for t in TARGETS}
@@ -317,7 +318,11 @@ def sweep_kills(sweep, kills_per_stage: int, seed: int, middle: bool = False) ->
         for target in TARGETS:
             n = lines[target]
             k = rng.randint(n // 4, 3 * n // 4) if middle else rng.randint(0, n)
-            at = (k, rng.uniform(0, 0.5))
+            # In the middle half the extra delay stays under half a progress line's time, so the
+            # kill cannot outlast a short stage (evaluate runs in about a second) and land after
+            # its commit; the full sweep keeps 0-0.5 s to reach the commit too.
+            extra = min(0.5, 0.5 * took[target] / max(n, 1)) if middle else 0.5
+            at = (k, rng.uniform(0, extra))
             kill_once(root, target, at, f"{target}-{i}", tallies[target], expected)
     report(tallies, seed, took)
     return tallies

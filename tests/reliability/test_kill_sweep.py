@@ -8,7 +8,8 @@ and a training stage killed after a train state was saved must resume from it, n
 
 A kill lands at a random point of the stage's progress: after the k-th of its progress lines
 (training steps, finished shards; k uniform from 0, when the child announces the stage, to the
-number an uninterrupted run prints), plus a uniform 0-0.5 s, so kills hit model loading,
+number an uninterrupted run prints), plus a uniform 0-0.5 s (in the CI-size sweep, k in the
+middle half and the extra delay under half a progress line's time), so kills hit model loading,
 rollouts, shard writes, training steps, train-state saves and the commit alike. ``KILLS_PER_STAGE`` and
 ``SWEEP_SEED`` (environment) set the size and the random seed; the tallies are printed and
 appended to ``$FLYWHEEL_SWEEP_REPORT`` when set.

@@ -5,9 +5,16 @@ under the run's folder) or, when there is none, every eval artifact in the store
 
 Every success rate carries its binomial standard error ``sqrt(p (1 - p) / n)`` over the n test
 tasks. A round's gain over a reference policy (the round-0 SFT policy, and the better of the
-baselines) is called significant when it exceeds two standard errors of the difference,
-``2 * sqrt(se_a^2 + se_b^2)`` (the two rates treated as independent: conservative, since both
-policies ran the same tasks).
+baselines) is called significant when it exceeds two standard errors of the difference.
+
+Both policies ran the same test tasks, so the difference is measured task by task: with
+``d_i = success_a(i) - success_b(i)`` in {-1, 0, 1}, its standard error is the paired one,
+``sqrt((mean(d^2) - mean(d)^2) / n)``. Policies trained from one another agree on most tasks, and
+the tasks both solve (or both fail) carry no sampling noise of the difference, so this is smaller
+than treating the two rates as independent, ``sqrt(se_a^2 + se_b^2)``, which is used only when
+the two evaluations did not run the same task ids (the gain then says ``"paired": false``).
+Either way the error is that of the test sample only: how much two trained policies differ from
+one training run (seed) to the next is what a second seed measures.
 
     flywheel report          # a table, then the gains
     flywheel report --json   # one object per policy and env (policy = init, sft, dpo, ..., sft_more, rft)
@@ -17,10 +24,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from flywheel.config import BASELINES
-from flywheel.store import ArtifactError, Store
+from flywheel.store import ArtifactError, ArtifactRef, Store
 
 STATE_FILE = "flywheel.json"
 COLUMNS = (
@@ -46,6 +54,31 @@ def standard_error(p: float, n: int) -> float:
     return math.sqrt(max(p * (1.0 - p), 0.0) / n) if n > 0 else float("nan")
 
 
+def paired_standard_error(a: Sequence[float], b: Sequence[float]) -> float:
+    """Standard error of ``mean(a) - mean(b)`` when ``a[i]`` and ``b[i]`` are two policies'
+    outcomes on the same task i: ``sqrt((mean(d^2) - mean(d)^2) / n)`` with ``d = a - b``."""
+    if len(a) != len(b):
+        raise ValueError(f"paired outcomes differ in length: {len(a)} and {len(b)}")
+    n = len(a)
+    if n == 0:
+        return float("nan")
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    mean = sum(d) / n
+    return math.sqrt(max(sum(x * x for x in d) / n - mean * mean, 0.0) / n)
+
+
+Outcomes = dict[str, dict[tuple[str, str], float]]  # eval id -> (env, task id) -> success
+
+
+def read_outcomes(store: Store, ref: ArtifactRef) -> dict[tuple[str, str], float]:
+    """Every episode's success in an eval artifact, by (env, task id)."""
+    table = store.read(ref, columns=["env", "task_id", "success"]).to_pydict()
+    return {
+        (env, task): float(ok)
+        for env, task, ok in zip(table["env"], table["task_id"], table["success"], strict=True)
+    }
+
+
 def collect(store: Store) -> list[dict[str, Any]]:
     state_path = f"{store.base}/{STATE_FILE}"
     if store.fs.exists(state_path):
@@ -55,9 +88,11 @@ def collect(store: Store) -> list[dict[str, Any]]:
     else:
         refs = store.list(stage="evaluate")
     rows = []
+    outcomes: Outcomes = {}
     for ref in refs:
         if ref.kind != "eval":
             raise ArtifactError(f"artifact {ref.id} is not an eval artifact")
+        outcomes[ref.id] = read_outcomes(store, ref)
         by_env: dict[str, dict[str, Any]] = {}
         for key, value in ref.summary.items():
             env, _, metric = key.partition("/")
@@ -75,19 +110,47 @@ def collect(store: Store) -> list[dict[str, Any]]:
             if "success_rate" in row:
                 row["success_se"] = standard_error(row["success_rate"], row["n_tasks"])
             rows.append(row)
-    add_gains(rows)
+    add_gains(rows, outcomes)
     return rows
 
 
-def _gain(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    diff = row["success_rate"] - ref["success_rate"]
-    se = math.sqrt(row["success_se"] ** 2 + ref["success_se"] ** 2)
-    return {"gain": diff, "se": se, "significant": bool(diff > 2 * se), "over": ref["policy"]}
+def _paired(
+    row: dict[str, Any], ref: dict[str, Any], outcomes: Outcomes | None
+) -> tuple[list[float], list[float]] | None:
+    """Both rows' outcomes task by task, when both evaluations ran the same tasks of the env."""
+    if not outcomes or row.get("eval_id") not in outcomes or ref.get("eval_id") not in outcomes:
+        return None
+    env = row["env"]
+    mine = {k: v for k, v in outcomes[row["eval_id"]].items() if k[0] == env}
+    theirs = {k: v for k, v in outcomes[ref["eval_id"]].items() if k[0] == env}
+    if not mine or mine.keys() != theirs.keys():
+        return None
+    keys = sorted(mine)
+    return [mine[k] for k in keys], [theirs[k] for k in keys]
 
 
-def add_gains(rows: list[dict[str, Any]]) -> None:
+def _gain(row: dict[str, Any], ref: dict[str, Any], outcomes: Outcomes | None) -> dict[str, Any]:
+    pairs = _paired(row, ref, outcomes)
+    if pairs is not None:
+        a, b = pairs
+        diff = (sum(a) - sum(b)) / len(a)
+        se = paired_standard_error(a, b)
+    else:
+        diff = row["success_rate"] - ref["success_rate"]
+        se = math.sqrt(row["success_se"] ** 2 + ref["success_se"] ** 2)
+    return {
+        "gain": diff,
+        "se": se,
+        "significant": bool(diff > 2 * se),
+        "over": ref["policy"],
+        "paired": pairs is not None,
+    }
+
+
+def add_gains(rows: list[dict[str, Any]], outcomes: Outcomes | None = None) -> None:
     """Give every round's row (round >= 1, not a baseline) its gain over the round-0 SFT policy
-    and over the best baseline of the same env, in place."""
+    and over the best baseline of the same env, in place. With ``outcomes`` (each row's episodes
+    by eval id) the standard error of a gain is the paired one over the tasks both ran."""
     for env in {r["env"] for r in rows}:
         mine = [r for r in rows if r["env"] == env and "success_rate" in r]
         sft = [r for r in mine if r["round"] == 0 and r["policy"] == "sft"]
@@ -97,9 +160,9 @@ def add_gains(rows: list[dict[str, Any]]) -> None:
             if row["round"] < 1 or row["policy"] in BASELINES:
                 continue
             if sft:
-                row["gain_over_sft"] = _gain(row, sft[-1])
+                row["gain_over_sft"] = _gain(row, sft[-1], outcomes)
             if best is not None:
-                row["gain_over_baselines"] = _gain(row, best)
+                row["gain_over_baselines"] = _gain(row, best, outcomes)
 
 
 def _cell(row: dict[str, Any], col: str) -> str:
@@ -124,7 +187,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         _gain_line(row) for row in rows if "gain_over_sft" in row or "gain_over_baselines" in row
     ]
     if gains:
-        out += ["", "gains in success (points; * = more than two standard errors):", *gains]
+        paired = [
+            row[key]["paired"]
+            for row in rows
+            for key in ("gain_over_sft", "gain_over_baselines")
+            if key in row
+        ]
+        how = (
+            "paired over the same test tasks"
+            if all(paired)
+            else "(unpaired): the two rates treated as independent"
+        )
+        out += [
+            "",
+            f"gains in success (points ± standard error, {how}; * = more than two):",
+            *gains,
+        ]
     return "\n".join(out)
 
 
@@ -134,5 +212,8 @@ def _gain_line(row: dict[str, Any]) -> str:
         if key in row:
             g = row[key]
             mark = "*" if g["significant"] else " "
-            parts.append(f"vs {g['over']:<8} {100 * g['gain']:+5.1f} ± {100 * g['se']:.1f}{mark}")
+            pair = "" if g.get("paired", False) else " (unpaired)"
+            parts.append(
+                f"vs {g['over']:<8} {100 * g['gain']:+5.1f} ± {100 * g['se']:.1f}{mark}{pair}"
+            )
     return f"  round {row['round']} {row['policy']:<5} {row['env']:<8} " + "   ".join(parts)

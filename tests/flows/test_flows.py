@@ -174,6 +174,9 @@ def test_report_json(tiny_flywheel, capsys):
         assert row["success_se"] == pytest.approx((p * (1 - p) / 8) ** 0.5)
     dpo = rows[2]
     assert dpo["gain_over_sft"]["over"] == "sft"
+    # every evaluation ran the same 8 test tasks: the gains' errors are paired, task by task
+    assert dpo["gain_over_sft"]["paired"] is True
+    assert dpo["gain_over_baselines"]["paired"] is True
     assert dpo["gain_over_sft"]["gain"] == pytest.approx(
         dpo["success_rate"] - rows[1]["success_rate"]
     )

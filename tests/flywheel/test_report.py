@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flywheel.report import add_gains, format_table, standard_error
+from flywheel.report import add_gains, format_table, paired_standard_error, standard_error
 
 
 def row(round_: int, policy: str, p: float, n: int = 1000) -> dict:
@@ -44,8 +44,65 @@ def test_gains_over_sft_and_the_best_baseline():
     assert "gain_over_sft" not in rows[0]
     text = format_table(rows)
     assert "36.0% ± 1.5" in text
-    assert "round 1 dpo   arith    vs sft       +6.0 ± 2.1*" in text
-    assert "vs rft       +1.0 ± 2.1 " in text  # round 2: within noise, no mark
+    # without the episodes the rates are treated as independent, and the report says so
+    assert "round 1 dpo   arith    vs sft       +6.0 ± 2.1* (unpaired)" in text
+    assert "vs rft       +1.0 ± 2.1  (unpaired)" in text  # round 2: within noise, no mark
+    assert "the two rates treated as independent" in text
+    assert r1["gain_over_sft"]["paired"] is False
+
+
+def test_paired_standard_error_by_hand():
+    # d = [0, 1, 0, 0]: mean 1/4, mean of d^2 1/4, so sqrt((1/4 - 1/16) / 4)
+    assert paired_standard_error([1, 1, 0, 0], [1, 0, 0, 0]) == pytest.approx(math.sqrt(3 / 64))
+    assert paired_standard_error([1, 0, 1], [1, 0, 1]) == 0.0  # same outcomes: no noise
+    assert math.isnan(paired_standard_error([], []))
+    with pytest.raises(ValueError, match="differ in length: 2 and 1"):
+        paired_standard_error([1, 0], [1])
+
+
+def outcomes_of(solved: range, n: int = 1000, env: str = "arith") -> dict:
+    return {(env, f"t{i:04d}"): float(i in solved) for i in range(n)}
+
+
+def test_gains_are_paired_over_the_same_tasks():
+    """Two policies that agree on most tasks: the paired standard error counts only the tasks
+    where they differ, so a 6-point gain made of 60 newly solved tasks is far beyond noise, and
+    30 tasks gained with 30 others lost is a gain of zero whose error is not zero."""
+    sft = {**row(0, "sft", 0.30), "eval_id": "e-sft"}
+    r1 = {**row(1, "dpo", 0.36), "eval_id": "e-r1"}
+    r2 = {**row(2, "dpo", 0.30), "eval_id": "e-r2"}
+    rft = {**row(2, "rft", 0.30), "eval_id": "e-rft"}
+    outcomes = {
+        "e-sft": outcomes_of(range(0, 300)),
+        "e-r1": outcomes_of(range(0, 360)),
+        "e-r2": outcomes_of(range(30, 330)),
+        "e-rft": outcomes_of(range(0, 300)),
+    }
+    rows = [sft, r1, r2, rft]
+    add_gains(rows, outcomes)
+    g = r1["gain_over_sft"]
+    assert g["paired"] is True and g["gain"] == pytest.approx(0.06)
+    assert g["se"] == pytest.approx(math.sqrt((0.06 - 0.06**2) / 1000))  # 0.0075, not 0.021
+    assert g["significant"] is True
+    g = r2["gain_over_baselines"]
+    assert g["over"] == "rft" and g["gain"] == pytest.approx(0.0)
+    assert g["se"] == pytest.approx(math.sqrt(0.06 / 1000))  # 60 discordant tasks of 1000
+    assert g["significant"] is False
+    text = format_table(rows)
+    assert "paired over the same test tasks" in text and "(unpaired)" not in text
+    assert "round 1 dpo   arith    vs sft       +6.0 ± 0.8*" in text
+
+
+def test_gains_fall_back_to_unpaired_when_the_tasks_differ():
+    sft = {**row(0, "sft", 0.30), "eval_id": "e-sft"}
+    r1 = {**row(1, "dpo", 0.36), "eval_id": "e-r1"}
+    outcomes = {"e-sft": outcomes_of(range(0, 300)), "e-r1": outcomes_of(range(0, 360), n=999)}
+    add_gains([sft, r1], outcomes)
+    g = r1["gain_over_sft"]
+    assert g["paired"] is False
+    assert g["se"] == pytest.approx(math.sqrt(0.36 * 0.64 / 1000 + 0.30 * 0.70 / 1000))
+    add_gains([sft, r1], {"e-sft": outcomes_of(range(0, 300))})  # one evaluation unknown
+    assert r1["gain_over_sft"]["paired"] is False
 
 
 def test_env_specific_metrics_are_columns_only_when_reported():

@@ -253,6 +253,28 @@ def baselines(
         _step(plan, "evaluate", round, ref, boot["test"])
 
 
+# The stages of a round that run before splice (a walk stopped at one of them in round 1
+# never splices).
+BEFORE_SPLICE = ("explore", "pareto", "reflect", "mcts")
+
+
+def splices(cfg: Config, rounds: int, stop_at: tuple[str, int] | None = None) -> bool:
+    """Whether a walk of ``rounds`` rounds (stopped at ``stop_at``) reaches a splice stage."""
+    if rounds < 1 or "mcts" not in cfg.iteration.data:
+        return False
+    if stop_at is None:
+        return True
+    name, round = stop_at
+    return round >= 2 or round == 1 and name not in BEFORE_SPLICE
+
+
+def check_run(cfg: Config, rounds: int, stop_at: tuple[str, int] | None = None) -> None:
+    """Raise a one-line ValueError, before any work, when the walk would fail at a later stage
+    for a reason the config already shows (a splice over an env with no no-op action)."""
+    if splices(cfg, rounds, stop_at):
+        stages.splice.check_envs(cfg)
+
+
 def _walk(plan: Plan, rounds: int, with_baselines: bool = True) -> StageResult | None:
     try:
         boot = bootstrap(plan)
@@ -278,6 +300,7 @@ def _plan(config: str | None, overrides: list[str], **kw) -> Plan:
 def _tracked(plan: Plan, name: str, rounds: int, with_baselines: bool = True) -> StageResult | None:
     """Walk the DAG inside an MLflow run tree; afterwards ``plan.parent_run`` is its parent run
     (new, or the existing one when every artifact already had its run: see flywheel.tracking)."""
+    check_run(plan.cfg, rounds, plan.stop_at)  # before any work, e.g. a splice that must fail
     plan.tracker.begin(
         name,
         run=plan.cfg.run.name,

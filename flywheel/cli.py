@@ -475,10 +475,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         try:
             # Prefect's import wants its home to exist (it warns otherwise)
             home.mkdir(parents=True, exist_ok=True)
-            from flows.flywheel import check_plan
+            from flows.flywheel import check_plan, check_run
 
             if args.command == "stage":
                 check_plan(cfg, args.name, args.round)
+                check_run(cfg, max(args.round, 0), stop_at=(args.name, args.round))
+            else:
+                check_run(cfg, args.rounds if args.rounds is not None else cfg.run.rounds)
         except BaseException:
             for folder in new:  # a refused command leaves nothing behind
                 if folder.is_dir() and not any(folder.iterdir()):

@@ -115,6 +115,13 @@ def run(
     return w.commit(summary=_summary(counts, judged))
 
 
+def check_envs(cfg: Config) -> None:
+    """A one-line ValueError unless every env of the config names the no-op action a revision
+    turn takes. The flow calls it before any work when its rounds will splice, so a config that
+    pairs mcts with such an env fails at once, not after the bootstrap and the search."""
+    _suites(cfg, {env_cfg.name for env_cfg in cfg.envs})
+
+
 def _suites(cfg: Config, envs: set[str]) -> dict[str, EnvSuite]:
     """The suites of the envs the trees searched; each must name its no-op action."""
     suites = {}
@@ -125,7 +132,8 @@ def _suites(cfg: Config, envs: set[str]) -> dict[str, EnvSuite]:
         if not isinstance(getattr(suite, "noop", None), str):
             raise ValueError(
                 f"splice: env {env_cfg.name} names no no-op action (its suite's noop), which "
-                "the revision turn takes"
+                "the revision turn takes: iteration.data=[..., mcts] needs an env that has one "
+                "(e.g. craft)"
             )
         suites[env_cfg.name] = suite
     missing = envs - set(suites)

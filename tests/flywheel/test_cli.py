@@ -104,6 +104,30 @@ def test_bad_value_and_missing_file(tmp_path, capsys):
     assert_one_line_error(rc, err, "not valid YAML")
 
 
+def test_a_round_that_splices_an_env_without_a_noop_fails_before_any_work(tmp_path, capsys):
+    """arith has no no-op action for a revision turn: with mcts in iteration.data the run stops
+    at once (not after the bootstrap and the search) and writes nothing; a walk that stops
+    before splice (the bootstrap, or round 1's mcts) is not refused."""
+    path = write_tiny_yaml(tmp_path)
+    cfg = load_config(path)
+    mcts = ["iteration.data=[explore,mcts]", "iteration.steps=[sft]"]
+    rc, _, err = run_cli(capsys, "run", "--config", str(path), *mcts)
+    assert_one_line_error(rc, err, "splice: env arith names no no-op action", "e.g. craft")
+    assert folders(Path(cfg.run.store_root())) == set()
+    rc, _, err = run_cli(capsys, "stage", "splice", "--round", "1", "--config", str(path), *mcts)
+    assert_one_line_error(rc, err, "splice: env arith names no no-op action")
+    assert folders(Path(cfg.run.store_root())) == set()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.yaml"]  # no work folder either
+    from flows.flywheel import splices
+
+    with_mcts = load_config(path, mcts)
+    assert splices(with_mcts, 2) and not splices(with_mcts, 0)
+    for stop, reached in [(("sft", 0), False), (("mcts", 1), False), (("splice", 1), True),
+                          (("explore", 2), True), (("evaluate", 1), True)]:  # fmt: skip
+        assert splices(with_mcts, stop[1], stop_at=stop) is reached, stop
+    assert not splices(cfg, 2)  # no mcts in iteration.data: nothing splices
+
+
 # -- artifact errors ----------------------------------------------------------------------------
 
 

@@ -196,7 +196,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         how = (
             "paired over the same test tasks"
             if all(paired)
-            else "(unpaired): the two rates treated as independent"
+            else "paired except lines marked (unpaired): the two rates treated as independent"
         )
         out += [
             "",

@@ -428,7 +428,7 @@ class ExpertConfig(Section):
     n_tasks: int | None = Field(
         default=None,
         ge=0,
-        description="Demonstrations for the first N train tasks of each env only (null: all); the rest are reward-only tasks that exploration learns from.",
+        description="Demonstrations for N train tasks of each env only, spread evenly over the split (null: all); the rest are reward-only tasks that exploration learns from.",
     )
     data: list[ExpertDataConfig] = Field(
         default_factory=list,

@@ -113,7 +113,7 @@ def test_artifact_configs_isolate_sections():
     base = configs([])
     for override, changed in [
         ("evaluate.temperature=0.5", {"evaluate"}),
-        ("sft.lr=0.001", {"sft"}),
+        ("sft.lr=0.002", {"sft"}),
         ("sft.with_expert=true", {"sft"}),  # its round >= 1 id only (below)
         ("sft_more.lr=0.001", {"sft_more"}),
         ("rft.per_task=2", {"rft"}),

@@ -193,11 +193,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             for key in ("gain_over_sft", "gain_over_baselines")
             if key in row
         ]
-        how = (
-            "paired over the same test tasks"
-            if all(paired)
-            else "paired except lines marked (unpaired): the two rates treated as independent"
-        )
+        if all(paired):
+            how = "paired over the same test tasks"
+        elif any(paired):
+            how = "paired except lines marked (unpaired): the two rates treated as independent"
+        else:
+            how = "unpaired: the two rates treated as independent"
         out += [
             "",
             f"gains in success (points ± standard error, {how}; * = more than two):",

@@ -47,7 +47,7 @@ def test_gains_over_sft_and_the_best_baseline():
     # without the episodes the rates are treated as independent, and the report says so
     assert "round 1 dpo   arith    vs sft       +6.0 ± 2.1* (unpaired)" in text
     assert "vs rft       +1.0 ± 2.1  (unpaired)" in text  # round 2: within noise, no mark
-    assert "the two rates treated as independent" in text
+    assert "(points ± standard error, unpaired: the two rates treated as independent" in text
     assert r1["gain_over_sft"]["paired"] is False
 
 

@@ -83,7 +83,12 @@ class RunConfig(Section):
         description="Artifact store root: a local path or any fsspec URL (s3://, gs://, memory://). Default: <work_dir>/store.",
     )
     seed: int = Field(
-        default=0, description="Seed for task generation, model init, sampling and data order."
+        default=0,
+        description="Seed for task generation and sampling, and for model init and data order unless train_seed is set.",
+    )
+    train_seed: int | None = Field(
+        default=None,
+        description="Seed for model init, data order and the training stages' draws, apart from the tasks and exploration (null: seed). Retrains the same tasks with a different random draw.",
     )
     rounds: int = Field(
         default=2,
@@ -384,14 +389,28 @@ class SftConfig(TrainSection):
     )
 
 
-class SftMoreConfig(TrainSection):
+class BaselineSection(TrainSection):
+    """A baseline's training knobs, with a seed of its own so its spread can be measured alone."""
+
+    seed: int | None = Field(
+        default=None,
+        description="Seed of this baseline's data order (null: run.train_seed, else run.seed); changing it retrains only this baseline and its evaluation.",
+    )
+
+    def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
+        """As for any training section, without ``seed``: the stage hashes the resolved seed
+        (``Config.baseline_seed``), so a null seed keeps the ids it had before the field."""
+        return super().artifact_dump({"seed"} | (exclude or set()))
+
+
+class SftMoreConfig(BaselineSection):
     match: Literal["tokens", "steps"] = Field(
         default="tokens",
         description="Compute matching: train as many tokens (or optimizer steps) as the rounds' training steps used, summed from their manifests.",
     )
 
 
-class RftConfig(TrainSection):
+class RftConfig(BaselineSection):
     with_expert: bool = Field(
         default=True,
         description="Train on the expert trajectories too (ETO's RFT: demonstrations augmented with the policy's successes); false = successes only.",
@@ -823,6 +842,16 @@ class Config(Section):
                 f"(got {iteration.data}) or drop rft"
             )
         return baselines
+
+    @property
+    def train_seed(self) -> int:
+        """The seed of model init, data order and the training stages' draws: ``run.train_seed``,
+        or ``run.seed`` when that is null (tasks and exploration always use ``run.seed``)."""
+        return self.run.seed if self.run.train_seed is None else self.run.train_seed
+
+    def baseline_seed(self, section: BaselineSection) -> int:
+        """A baseline's training seed: its own ``seed``, else the run's training seed."""
+        return self.train_seed if section.seed is None else section.seed
 
     def envs_dump(self) -> list[dict[str, Any]]:
         """Every env's settings but the task counts (those shape the tasks artifacts, whose ids

@@ -76,7 +76,7 @@ def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
         "dpo": dc.artifact_dump(),
         "beta": per_round(dc.beta, round),
         "lr": per_round(dc.lr, round),
-        "seed": cfg.run.seed,
+        "seed": cfg.train_seed,
         "validation": validation_config(cfg, dc),
     }
 
@@ -191,7 +191,7 @@ def run(
     )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="dpo", cfg=tc,
-        seed=cfg.run.seed, params=params, out_dir=out, reference=dc.reference != "precomputed",
+        seed=cfg.train_seed, params=params, out_dir=out, reference=dc.reference != "precomputed",
         log=log, log_every=cfg.run.log_every,
         validation=partial(validation, cfg, dc, store, tokenizer, val_tasks, val_demos),
     )  # fmt: skip

@@ -67,7 +67,7 @@ def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
     return {
         "grpo": gc.artifact_dump(),
         "sharpness": resolved,
-        "seed": cfg.run.seed,
+        "seed": cfg.train_seed,
         "validation": validation_config(cfg, gc),
     }
 
@@ -216,7 +216,7 @@ def run(
         solved = store.read(explored, columns=["env", "task_id", "success"])  # type: ignore[arg-type]
         gold = unsolved_expert(
             pl.from_arrow(solved), pl.from_arrow(store.read(expert)),  # type: ignore[arg-type]
-            len(examples), gc, cfg.run.seed,
+            len(examples), gc, cfg.train_seed,
         )  # fmt: skip
         examples = [ex | {"expert": 0.0} for ex in examples]
         examples += [expert_example(tokenizer, row) for row in gold.iter_rows(named=True)]
@@ -237,7 +237,7 @@ def run(
     )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="grpo", cfg=gc,
-        seed=cfg.run.seed, params=params, out_dir=out, reference=gc.kl_coef > 0, log=log,
+        seed=cfg.train_seed, params=params, out_dir=out, reference=gc.kl_coef > 0, log=log,
         log_every=cfg.run.log_every,
         validation=partial(validation, cfg, gc, store, tokenizer, val_tasks, val_demos),
     )  # fmt: skip

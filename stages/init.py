@@ -24,7 +24,7 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
     """What the artifact id hashes: the model section and the seed of the random init, and
     whether the tokenizer also learns the revision turns splice writes (rounds with mcts) and
     the envs' reflection hints (rounds with reflect: the hints themselves)."""
-    config: dict[str, Any] = {"model": cfg.model.model_dump(), "seed": cfg.run.seed}
+    config: dict[str, Any] = {"model": cfg.model.model_dump(), "seed": cfg.train_seed}
     if _revises(cfg):
         config["revision_text"] = True
     if _reflects(cfg):
@@ -85,7 +85,7 @@ def run(
             num_heads=tiny.num_heads,
             intermediate_size=tiny.intermediate_size,
             max_position_embeddings=tiny.max_position_embeddings,
-            seed=cfg.run.seed,
+            seed=cfg.train_seed,
         )
     ref = write_checkpoint(
         w,

@@ -38,7 +38,7 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
     """What the artifact id hashes: the rft section, the seed and what validation reads."""
     return {
         "rft": cfg.rft.artifact_dump(),
-        "seed": cfg.run.seed,
+        "seed": cfg.baseline_seed(cfg.rft),
         "validation": validation_config(cfg, cfg.rft),
     }
 
@@ -115,7 +115,7 @@ def run(
     )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=rc,
-        seed=cfg.run.seed, out_dir=out, log=log, log_every=cfg.run.log_every,
+        seed=cfg.baseline_seed(rc), out_dir=out, log=log, log_every=cfg.run.log_every,
         validation=partial(validation, cfg, rc, store, tokenizer, val_tasks, val_demos),
     )  # fmt: skip
     write_train_log(out, result.history)

@@ -56,7 +56,7 @@ def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
     sc = section(cfg, round)
     return {
         "sft": sc.artifact_dump(exclude=ROUND_FIELDS if round == 0 else None),
-        "seed": cfg.run.seed,
+        "seed": cfg.train_seed,
         "validation": validation_config(cfg, sc),
     }
 
@@ -126,7 +126,7 @@ def run(
     say(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=sc,
-        seed=cfg.run.seed, out_dir=out, log=log, log_every=cfg.run.log_every,
+        seed=cfg.train_seed, out_dir=out, log=log, log_every=cfg.run.log_every,
         validation=partial(validation, cfg, sc, store, tokenizer, val_tasks, val_demos),
     )  # fmt: skip
     write_train_log(out, result.history)

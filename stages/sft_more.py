@@ -37,7 +37,7 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
     (the budget comes from the rounds' checkpoints, which are inputs)."""
     return {
         "sft_more": cfg.sft_more.artifact_dump(),
-        "seed": cfg.run.seed,
+        "seed": cfg.baseline_seed(cfg.sft_more),
         "validation": validation_config(cfg, cfg.sft_more),
     }
 
@@ -110,7 +110,7 @@ def run(
     )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=section,
-        seed=cfg.run.seed, out_dir=out, log=log, max_tokens=max_tokens,
+        seed=cfg.baseline_seed(cfg.sft_more), out_dir=out, log=log, max_tokens=max_tokens,
         log_every=cfg.run.log_every,
         validation=partial(validation, cfg, sc, store, tokenizer, val_tasks, val_demos),
     )  # fmt: skip

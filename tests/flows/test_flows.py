@@ -75,8 +75,9 @@ ROUND_STAGES = {"explore", "pareto", "dpo", "sft_more", "rft"}
         ("dpo.beta=[0.2]", {"dpo", "sft_more"}),  # sft_more matches the rounds' compute
         ("sft_more.lr=0.001", {"sft_more"}),
         ("rft.per_task=2", {"rft"}),
+        ("rft.seed=3", {"rft"}),  # a baseline retrained alone with another data order
     ],
-    ids=["evaluate", "sft", "dpo-beta", "sft_more", "rft"],
+    ids=["evaluate", "sft", "dpo-beta", "sft_more", "rft", "rft-seed"],
 )
 def test_changed_config_reruns_that_stage_and_what_follows(tiny_flywheel, override, reruns):
     before = manifests(tiny_flywheel.root)

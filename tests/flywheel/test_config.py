@@ -124,9 +124,22 @@ def test_artifact_configs_isolate_sections():
         ("explore.temperature=0.7", {"explore"}),
         ("reflect.max_evolve_times=2", {"reflect"}),
         ("model.tiny.hidden_size=64", {"init"}),
+        # a baseline's own seed retrains that baseline only
+        ("rft.seed=7", {"rft"}),
+        ("sft_more.seed=7", {"sft_more"}),
+        # the training seed: every training stage, not the tasks, exploration or evaluation
+        ("run.train_seed=7", {"init", "sft", "dpo", "grpo", "sft_more", "rft"}),
+        # the run seed: the tasks and exploration as well
+        ("run.seed=7", {"tasks", "explore", "mcts", "reflect",
+                        "init", "sft", "dpo", "grpo", "sft_more", "rft"}),
     ]:
         other = configs([override])
         assert {n for n in base if base[n] != other[n]} == changed, override
+    # a training seed or baseline seed equal to the one it replaces keeps every id
+    assert configs(["run.train_seed=0"]) == base
+    assert configs(["rft.seed=0", "sft_more.seed=0"]) == base
+    # a baseline's seed wins over the training seed
+    assert configs(["run.train_seed=7", "rft.seed=0"])["rft"] == base["rft"]
     # the bootstrap SFT does not read sft.with_expert: its id stays
     assert configs(["sft.with_expert=true"])["sft"][0] == base["sft"][0]
     assert configs(["sft.round_val_metric=loss"])["sft"][0] == base["sft"][0]

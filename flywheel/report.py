@@ -5,7 +5,8 @@ under the run's folder) or, when there is none, every eval artifact in the store
 
 Every success rate carries its binomial standard error ``sqrt(p (1 - p) / n)`` over the n test
 tasks. A round's gain over a reference policy (the round-0 SFT policy, and the better of the
-baselines) is called significant when it exceeds two standard errors of the difference.
+baselines) is called significant when it exceeds two standard errors of the difference, and a
+round more than two standard errors below its reference is marked as well (``"below": true``).
 
 Both policies ran the same test tasks, so the difference is measured task by task: with
 ``d_i = success_a(i) - success_b(i)`` in {-1, 0, 1}, its standard error is the paired one,
@@ -142,6 +143,7 @@ def _gain(row: dict[str, Any], ref: dict[str, Any], outcomes: Outcomes | None) -
         "gain": diff,
         "se": se,
         "significant": bool(diff > 2 * se),
+        "below": bool(diff < -2 * se),
         "over": ref["policy"],
         "paired": pairs is not None,
     }
@@ -201,7 +203,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             how = "unpaired: the two rates treated as independent"
         out += [
             "",
-            f"gains in success (points ± standard error, {how}; * = more than two):",
+            f"gains in success (points ± standard error, {how}; "
+            "* = more than two above, ! = more than two below):",
             *gains,
         ]
     return "\n".join(out)
@@ -212,7 +215,7 @@ def _gain_line(row: dict[str, Any]) -> str:
     for key in ("gain_over_sft", "gain_over_baselines"):
         if key in row:
             g = row[key]
-            mark = "*" if g["significant"] else " "
+            mark = "*" if g["significant"] else "!" if g.get("below") else " "
             pair = "" if g.get("paired", False) else " (unpaired)"
             parts.append(
                 f"vs {g['over']:<8} {100 * g['gain']:+5.1f} ± {100 * g['se']:.1f}{mark}{pair}"

@@ -51,6 +51,20 @@ def test_gains_over_sft_and_the_best_baseline():
     assert r1["gain_over_sft"]["paired"] is False
 
 
+def test_a_round_below_its_reference_is_marked():
+    """A loss beyond two standard errors is as much a finding as a gain: marked "!"."""
+    rows = [row(0, "sft", 0.30), row(1, "dpo", 0.27), row(1, "rft", 0.37)]
+    add_gains(rows)
+    g = rows[1]["gain_over_baselines"]
+    assert g["gain"] == pytest.approx(-0.10) and g["below"] is True and g["significant"] is False
+    within = rows[1]["gain_over_sft"]  # -3.0 +- 2.0: not beyond two
+    assert within["below"] is False and within["significant"] is False
+    text = format_table(rows)
+    assert "vs rft      -10.0 ± 2.1! (unpaired)" in text
+    assert "vs sft       -3.0 ± 2.0  (unpaired)" in text
+    assert "* = more than two above, ! = more than two below" in text
+
+
 def test_paired_standard_error_by_hand():
     # d = [0, 1, 0, 0]: mean 1/4, mean of d^2 1/4, so sqrt((1/4 - 1/16) / 4)
     assert paired_standard_error([1, 1, 0, 0], [1, 0, 0, 0]) == pytest.approx(math.sqrt(3 / 64))

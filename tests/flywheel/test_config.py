@@ -111,6 +111,7 @@ def test_artifact_configs_isolate_sections():
         }
 
     base = configs([])
+    training = {"init", "sft", "dpo", "grpo", "sft_more", "rft"}
     for override, changed in [
         ("evaluate.temperature=0.5", {"evaluate"}),
         ("sft.lr=0.002", {"sft"}),
@@ -128,10 +129,9 @@ def test_artifact_configs_isolate_sections():
         ("rft.seed=7", {"rft"}),
         ("sft_more.seed=7", {"sft_more"}),
         # the training seed: every training stage, not the tasks, exploration or evaluation
-        ("run.train_seed=7", {"init", "sft", "dpo", "grpo", "sft_more", "rft"}),
+        ("run.train_seed=7", training),
         # the run seed: the tasks and exploration as well
-        ("run.seed=7", {"tasks", "explore", "mcts", "reflect",
-                        "init", "sft", "dpo", "grpo", "sft_more", "rft"}),
+        ("run.seed=7", training | {"tasks", "explore", "mcts", "reflect"}),
     ]:
         other = configs([override])
         assert {n for n in base if base[n] != other[n]} == changed, override

@@ -54,6 +54,30 @@ def test_expert_n_tasks_gives_demonstrations_for_tasks_spread_over_the_split(boo
     assert refs["train"].id in stages.init.run(*boot[:2], refs["expert"], refs["train"]).inputs
 
 
+def test_train_seed_reaches_the_model_init(boot):
+    """run.train_seed draws another init (new id, other weights) from the same tasks; set to
+    run.seed it is the init the run already has."""
+    import torch
+
+    from flywheel.checkpoint import load_policy
+
+    cfg, store, refs = boot
+    with contextlib.redirect_stdout(io.StringIO()):
+        same = stages.init.run(cfg, store, refs["expert"], refs["train"])
+        run = cfg.run.model_copy(update={"train_seed": cfg.run.seed})
+        again = stages.init.run(
+            cfg.model_copy(update={"run": run}), store, refs["expert"], refs["train"]
+        )
+        run = cfg.run.model_copy(update={"train_seed": cfg.run.seed + 5})
+        other = stages.init.run(
+            cfg.model_copy(update={"run": run}), store, refs["expert"], refs["train"]
+        )
+    assert again.id == same.id and other.id != same.id
+    a, b = (load_policy(store, ref)[0].state_dict() for ref in (same, other))
+    assert a.keys() == b.keys()
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
 def fake_round(art_id: str, tokens: int, steps: int) -> ArtifactRef:
     manifest = {"summary": {"train_tokens": tokens, "train_steps": steps}, "inputs": []}
     return ArtifactRef(

@@ -154,14 +154,30 @@ def kinds(seen: dict[int, tuple[int, str]]) -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("signum", "marker"),
-    [(signal.SIGTERM, "[train sft] step"), (signal.SIGINT, "[round 0] evaluate")],
+    ("signum", "marker", "extra"),
+    [
+        # SIGTERM in SFT training: 400 steps (tens of seconds), after the untrained policy's
+        # evaluation has run the sandbox.
+        (
+            signal.SIGTERM,
+            "[train sft] step",
+            ("sft.epochs=200", "sft.max_steps=400", "sft.checkpoint_every=50"),
+        ),
+        # SIGINT in an evaluation: the SFT policy's, over 2000 test tasks in 250 shards, sent
+        # once its first shard is done. Both cases leave seconds of work after the marker, so a
+        # slow machine cannot finish the run before the signal arrives.
+        (
+            signal.SIGINT,
+            "evaluate: shard 1/250",
+            ("evaluate.untrained=false", "envs.arith.n_test=2000"),
+        ),
+    ],
     ids=["SIGTERM", "SIGINT"],
 )
-def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker):
+def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker, extra):
     """The signal goes to the flywheel process alone (as `kill PID`, a container runtime or a
     scheduler sends it), in the middle of a stage, once Prefect's server and the sandbox run."""
-    config = write_tiny_yaml(tmp_path, "sft.max_steps=400", "sft.checkpoint_every=50")
+    config = write_tiny_yaml(tmp_path, *extra)
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -174,8 +190,6 @@ def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker
         )
     watch = ProcessWatch(proc)
     try:
-        # sft follows the untrained policy's evaluation (which runs the sandbox); SIGINT waits
-        # for sft to be written, so it lands in the evaluation after it.
         started = watch.wait(240, until=lambda: marker in log.read_text())
         assert started and proc.poll() is None, f"the run ended early:\n{log.read_text()[-3000:]}"
         time.sleep(0.5)

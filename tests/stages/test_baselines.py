@@ -113,6 +113,32 @@ def test_sft_more_trains_up_to_the_budget(boot, match):
     assert s["examples"] == N_DEMOS and store.read(ref).to_pylist()[0]["parent"] == refs["sft"].id
 
 
+def test_baseline_seed_changes_its_data_order_and_nothing_else(boot):
+    """sft_more.seed draws another data order: a new id and other weights from the same data;
+    set to run.seed it is the baseline the run already has. Micro-batches of 2 over the 8
+    demonstrations, so the order decides what each step sees."""
+    import torch
+
+    from flywheel.checkpoint import load_policy
+
+    cfg, store, refs = boot
+    rounds = [fake_round("dpo-a", 900, 3)]
+
+    def train(seed):
+        section = cfg.sft_more.model_copy(
+            update={"match": "steps", "micro_batch_size": 2, "seed": seed}
+        )
+        c = cfg.model_copy(update={"sft_more": section})
+        with contextlib.redirect_stdout(io.StringIO()):
+            return stages.sft_more.run(c, store, refs["sft"], refs["expert"], rounds, round=1)
+
+    same, again, other = train(None), train(cfg.run.seed), train(cfg.run.seed + 7)
+    assert again.id == same.id and other.id != same.id
+    assert same.summary["train_steps"] == other.summary["train_steps"] == 3
+    a, b = (load_policy(store, ref)[0].state_dict() for ref in (same, other))
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_rft_keeps_the_best_successful_sample_per_task_once():
     rows = [
         episode("a", 0, reward=1.0, turns=3, tool_calls=2, tokens=30),

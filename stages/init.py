@@ -22,11 +22,12 @@ from flywheel.store import ArtifactRef, Store
 
 def artifact_config(cfg: Config) -> dict[str, Any]:
     """What the artifact id hashes: the model section and the seed of the random init, and
-    whether the tokenizer also learns the revision turns splice writes (rounds with mcts) and
-    the envs' reflection hints (rounds with reflect: the hints themselves)."""
+    whether the tokenizer also learns the revision turns splice writes (rounds with mcts: the
+    envs' no-op actions those turns end with) and the envs' reflection hints (rounds with
+    reflect: the hints themselves)."""
     config: dict[str, Any] = {"model": cfg.model.model_dump(), "seed": cfg.train_seed}
     if _revises(cfg):
-        config["revision_text"] = True
+        config["revision_noops"] = _noops(cfg)
     if _reflects(cfg):
         config["hints"] = _hints(cfg)
     return config
@@ -38,6 +39,14 @@ def _revises(cfg: Config) -> bool:
 
 def _reflects(cfg: Config) -> bool:
     return "reflect" in cfg.iteration.data
+
+
+def _noops(cfg: Config) -> list[str]:
+    """The no-op action of every env that has one (what splice's revision turns take)."""
+    from flywheel.envs import make_suite
+
+    found = (getattr(make_suite(e), "noop", None) for e in cfg.envs)
+    return [noop for noop in found if isinstance(noop, str)]
 
 
 def _hints(cfg: Config) -> dict[str, list[str]]:
@@ -73,7 +82,7 @@ def run(
         if _revises(cfg):  # splice's revision turns ("Thought: I made a mistake ...")
             from flywheel.splice import REVISION_THOUGHTS, revision_turn
 
-            texts += [revision_turn(t, "inventory") for t in REVISION_THOUGHTS]
+            texts += [revision_turn(t, noop) for noop in _noops(cfg) for t in REVISION_THOUGHTS]
         if _reflects(cfg):  # the hints that open reflect's hinted turns
             texts += [hint for hints in _hints(cfg).values() for hint in hints]
         tokenizer = train_tokenizer(texts)

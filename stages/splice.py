@@ -9,7 +9,8 @@ steps in ONE batched greedy engine call); the bad prefix up to and including tha
 trained), a revision turn ``Thought: <reflection>\\nAction: <the env's no-op>`` (trained) and the
 good path's remaining turns (trained) make one trajectory. The revision turn's observation is
 the env's real answer: the task is replayed through a fresh env up to the error, then the no-op
-is stepped. An env needs a no-op action (its suite's ``noop``, e.g. craft's ``inventory``).
+is stepped. An env needs a no-op action (its suite's ``noop``: craft's ``inventory``, arith's
+``<python>print()</python>``).
 
 Summary per env: ``trees``, ``revisions``, ``revisions_per_tree``, ``trees_revised`` (share of
 trees with a revision), ``good_paths``, ``good_paths_per_tree``; with the judge, ``judged_steps``
@@ -133,7 +134,7 @@ def _suites(cfg: Config, envs: set[str]) -> dict[str, EnvSuite]:
             raise ValueError(
                 f"splice: env {env_cfg.name} names no no-op action (its suite's noop), which "
                 "the revision turn takes: iteration.data=[..., mcts] needs an env that has one "
-                "(e.g. craft)"
+                "(e.g. craft or arith)"
             )
         suites[env_cfg.name] = suite
     missing = envs - set(suites)

@@ -168,6 +168,9 @@ INVALID = (
 # Reflection hints (ALGORITHMS.md, "Reflection by hint"): the opening of an assistant turn
 # after a flawed step; the policy writes the rest of the turn (its tool call or answer).
 HINTS = ("Wait, let me check the result of that call before I go on.\n",)
+# The action a splice revision turn takes (ALGORITHMS.md, "Revision splicing"): a tool call that
+# prints nothing. Tool calls keep no state, so it changes nothing; the env answers "(no output)".
+NOOP = "<python>print()</python>"
 
 
 def split_of(prompt: str) -> str:
@@ -299,6 +302,7 @@ class ArithSuite:
     name = "arith"
     instruction = INSTRUCTION
     hints = HINTS  # how a reflection turn opens (stage reflect)
+    noop = NOOP  # the action a revision turn takes (stage splice): it changes nothing
     Options = ArithOptions  # make_suite checks envs.<name>.options against it
 
     def __init__(

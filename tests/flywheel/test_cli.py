@@ -16,9 +16,10 @@ import stages.expert
 import stages.tasks
 from flywheel.cli import main
 from flywheel.config import field_help, load_config
+from flywheel.envs.arith import ArithSuite
 from flywheel.report import STATE_FILE
 from flywheel.store import Store
-from tests.conftest import write_tiny_yaml
+from tests.conftest import tiny_overrides, write_tiny_yaml
 
 
 @pytest.fixture
@@ -104,11 +105,17 @@ def test_bad_value_and_missing_file(tmp_path, capsys):
     assert_one_line_error(rc, err, "not valid YAML")
 
 
+class ArithWithoutNoop(ArithSuite):
+    """arith as a user's suite that names no no-op action."""
+
+    noop = None
+
+
 def test_a_round_that_splices_an_env_without_a_noop_fails_before_any_work(tmp_path, capsys):
-    """arith has no no-op action for a revision turn: with mcts in iteration.data the run stops
+    """An env with no no-op action for a revision turn: with mcts in iteration.data the run stops
     at once (not after the bootstrap and the search) and writes nothing; a walk that stops
     before splice (the bootstrap, or round 1's mcts) is not refused."""
-    path = write_tiny_yaml(tmp_path)
+    path = write_tiny_yaml(tmp_path, f"envs.0.suite={__name__}:ArithWithoutNoop")
     cfg = load_config(path)
     mcts = ["iteration.data=[explore,mcts]", "iteration.steps=[sft]"]
     rc, _, err = run_cli(capsys, "run", "--config", str(path), *mcts)
@@ -126,6 +133,10 @@ def test_a_round_that_splices_an_env_without_a_noop_fails_before_any_work(tmp_pa
                           (("explore", 2), True), (("evaluate", 1), True)]:  # fmt: skip
         assert splices(with_mcts, stop[1], stop_at=stop) is reached, stop
     assert not splices(cfg, 2)  # no mcts in iteration.data: nothing splices
+    # the built-in arith has a no-op: the same rounds pass the check
+    import stages.splice
+
+    stages.splice.check_envs(load_config(None, tiny_overrides(tmp_path, *mcts)))
 
 
 # -- artifact errors ----------------------------------------------------------------------------

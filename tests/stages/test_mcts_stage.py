@@ -32,6 +32,7 @@ from flywheel.config import Config, ConfigError, load_config
 from flywheel.envs import make_suite
 from flywheel.mcts import Child, Node, Tree, backup, path, paths, settle, to_rows, trees_from_rows
 from flywheel.metrics import summarize
+from flywheel.splice import RULE_KEYS
 from flywheel.store import ArtifactRef, ArtifactWriter, Store
 from stages._common import load_tasks
 from tests.conftest import tiny_overrides
@@ -442,9 +443,84 @@ def test_splice_by_the_policy_as_judge(spliced_inputs):
 
 def test_splice_refuses_an_env_without_a_noop(spliced_inputs):
     cfg, store, refs, trees, _, _ = spliced_inputs
-    arith = cfg.model_copy(update={"envs": [cfg.envs[0].model_copy(update={"suite": "arith"})]})
+    suite = "tests.flywheel.test_cli:ArithWithoutNoop"
+    silent = cfg.model_copy(update={"envs": [cfg.envs[0].model_copy(update={"suite": suite})]})
     with pytest.raises(ValueError, match="splice: env craft names no no-op action"):
-        stages.splice.run(arith, store, trees, refs["init"], refs["train"], round=1)
+        stages.splice.run(silent, store, trees, refs["init"], refs["train"], round=1)
+
+
+def test_splice_on_arith_cuts_where_a_wrong_call_parts_from_the_good_path():
+    """arith's steps flag no wrong number, so the rule verifier finds no error and the cut is the
+    first call where the bad path leaves the good one; the revision turn takes arith's no-op,
+    which the env answers without changing the episode."""
+    from flywheel.envs.arith import NOOP, ArithSuite, parse_action
+
+    suite = ArithSuite(max_value=99)
+    task = next(t for t in suite.tasks("train", 50, seed=3) if t.difficulty == 2)
+    expert = suite.expert(task)  # two calls, then the answer
+    first = task.meta["steps"][0]
+    wrong_call = f"<python>print({first['result']} + 1)</python>"
+    assert wrong_call != expert[1]
+
+    tree = stages.mcts.plant(suite, task, seed=1)
+    try:
+        a = grow(tree.root, expert[0], [11, 2])
+        bad = grow(a, wrong_call, [12, 2])
+        bad_end = grow(bad, "<answer>0</answer>", [13, 2])
+        good = grow(a, expert[1], [14, 2])
+        goal = grow(good, expert[2], [15, 2])
+    finally:
+        tree.state.env.close()
+    assert goal.success and not bad_end.success and not any(bad.info.get(k) for k in RULE_KEYS)
+
+    rows = stages.splice.tree_rows(tree, suite, task, 0.5, 0.2, None)
+    assert sorted(r["source"] for r in rows) == ["mcts", "revision"]
+    (revised,) = [r for r in rows if r["source"] == "revision"]
+    msgs = revised["messages"][3:]  # after the opening (instruction, Ok., the story)
+    assert [(m["role"], m["content"], m["loss"]) for m in msgs[:4]] == [
+        ("assistant", expert[0], False), ("user", a.observation, False),
+        ("assistant", wrong_call, False), ("user", bad.observation, False),
+    ]  # fmt: skip
+    revision, answer = msgs[4], msgs[5]
+    assert revision["loss"] and revision["content"].endswith(f"\nAction: {NOOP}")
+    assert parse_action(revision["content"]) == ("python", "print()")
+    assert answer == {"role": "user", "content": "(no output)", "loss": False}
+    assert [(m["content"], m["loss"]) for m in msgs[6:] if m["role"] == "assistant"] == [
+        (expert[1], True), (expert[2], True),
+    ]  # fmt: skip
+    assert revised["success"] and revised["turn_token_ids"] == [[14, 2], [15, 2]]
+
+    # the no-op leaves the episode where it was: the rest of the expert's plan still succeeds
+    env = suite.make()
+    env.reset(task)
+    env.step(expert[0])
+    assert env.step(NOOP)[0] == "(no output)"
+    assert [env.step(action)[1] for action in expert[1:]] == [0.0, 1.0]
+    env.close()
+
+
+def test_the_tokenizer_learns_the_revision_turns_of_each_envs_noop(tmp_path):
+    """With mcts in the round, init's tokenizer learns splice's revision turns as each env writes
+    them (arith's end with its no-op tool call), and the init id names those no-ops."""
+    from flywheel.checkpoint import load_policy
+    from flywheel.envs.arith import NOOP
+    from flywheel.splice import REVISION_THOUGHTS, revision_turn
+
+    mcts = ["iteration.data=[explore,mcts]", "iteration.steps=[sft]"]
+    cfg = load_config(None, tiny_overrides(tmp_path, *mcts))
+    assert stages.init.artifact_config(cfg)["revision_noops"] == [NOOP]
+    plain = load_config(None, tiny_overrides(tmp_path))
+    assert "revision_noops" not in stages.init.artifact_config(plain)
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    with contextlib.redirect_stdout(io.StringIO()):
+        train, val, _ = stages.tasks.run(cfg, store)
+        init = stages.init.run(cfg, store, stages.expert.run(cfg, store, train, val), train)
+    _, tokenizer = load_policy(store, init)
+    for thought in REVISION_THOUGHTS:
+        ids = tokenizer.encode(revision_turn(thought, NOOP), add_special_tokens=False)
+        assert tokenizer.unk_token_id not in ids, thought
+    # and no other env's no-op (craft's): the vocabulary is the envs' own
+    assert tokenizer.unk_token_id in tokenizer.encode("inventory", add_special_tokens=False)
 
 
 # -- the round's config shape ---------------------------------------------------------------------

@@ -53,14 +53,19 @@ def craft_overrides(root: Path, *extra: str) -> list[str]:
     )  # fmt: skip
 
 
-def prepare(root: Path, *extra: str) -> tuple[list[str], Config, Store, dict[str, ArtifactRef]]:
-    overrides = craft_overrides(root, *extra)
+def bootstrap(overrides: list[str]) -> tuple[Config, Store, dict[str, ArtifactRef]]:
+    """The config, its store and the tasks and init artifacts of a run with ``overrides``."""
     cfg = load_config(None, overrides)
     store = Store(cfg.run.store_root(), cfg.run.name)
     with contextlib.redirect_stdout(io.StringIO()):
         train, val, test = stages.tasks.run(cfg, store)
         init = stages.init.run(cfg, store, stages.expert.run(cfg, store, train, val), train)
-    return overrides, cfg, store, {"train": train, "test": test, "init": init}
+    return cfg, store, {"train": train, "test": test, "init": init}
+
+
+def prepare(root: Path, *extra: str) -> tuple[list[str], Config, Store, dict[str, ArtifactRef]]:
+    overrides = craft_overrides(root, *extra)
+    return overrides, *bootstrap(overrides)
 
 
 @pytest.fixture(scope="module")
@@ -511,11 +516,8 @@ def test_the_tokenizer_learns_the_revision_turns_of_each_envs_noop(tmp_path):
     assert stages.init.artifact_config(cfg)["revision_noops"] == [NOOP]
     plain = load_config(None, tiny_overrides(tmp_path))
     assert "revision_noops" not in stages.init.artifact_config(plain)
-    store = Store(cfg.run.store_root(), cfg.run.name)
-    with contextlib.redirect_stdout(io.StringIO()):
-        train, val, _ = stages.tasks.run(cfg, store)
-        init = stages.init.run(cfg, store, stages.expert.run(cfg, store, train, val), train)
-    _, tokenizer = load_policy(store, init)
+    _, store, refs = bootstrap(tiny_overrides(tmp_path, *mcts))
+    _, tokenizer = load_policy(store, refs["init"])
     for thought in REVISION_THOUGHTS:
         ids = tokenizer.encode(revision_turn(thought, NOOP), add_special_tokens=False)
         assert tokenizer.unk_token_id not in ids, thought

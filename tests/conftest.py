@@ -43,6 +43,7 @@ Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 import pytest  # noqa: E402
 
 from flywheel.config import Config, dump_config, load_config  # noqa: E402
+from flywheel.envs.arith import ArithSuite  # noqa: E402
 from flywheel.store import Store  # noqa: E402
 
 
@@ -87,6 +88,13 @@ def tiny_overrides(root: Path, *extra: str) -> list[str]:
         "tracking.enabled=false",
         *extra,
     ]
+
+
+class ArithWithoutNoop(ArithSuite):
+    """arith as a user's suite that names no no-op action (``suite: tests.conftest:ArithWithoutNoop``),
+    for the checks that refuse to splice such an env."""
+
+    noop = None
 
 
 def write_tiny_yaml(root: Path, *extra: str) -> Path:

@@ -16,7 +16,6 @@ import stages.expert
 import stages.tasks
 from flywheel.cli import main
 from flywheel.config import field_help, load_config
-from flywheel.envs.arith import ArithSuite
 from flywheel.report import STATE_FILE
 from flywheel.store import Store
 from tests.conftest import tiny_overrides, write_tiny_yaml
@@ -105,17 +104,11 @@ def test_bad_value_and_missing_file(tmp_path, capsys):
     assert_one_line_error(rc, err, "not valid YAML")
 
 
-class ArithWithoutNoop(ArithSuite):
-    """arith as a user's suite that names no no-op action."""
-
-    noop = None
-
-
 def test_a_round_that_splices_an_env_without_a_noop_fails_before_any_work(tmp_path, capsys):
     """An env with no no-op action for a revision turn: with mcts in iteration.data the run stops
     at once (not after the bootstrap and the search) and writes nothing; a walk that stops
     before splice (the bootstrap, or round 1's mcts) is not refused."""
-    path = write_tiny_yaml(tmp_path, f"envs.0.suite={__name__}:ArithWithoutNoop")
+    path = write_tiny_yaml(tmp_path, "envs.0.suite=tests.conftest:ArithWithoutNoop")
     cfg = load_config(path)
     mcts = ["iteration.data=[explore,mcts]", "iteration.steps=[sft]"]
     rc, _, err = run_cli(capsys, "run", "--config", str(path), *mcts)

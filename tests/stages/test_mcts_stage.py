@@ -448,7 +448,7 @@ def test_splice_by_the_policy_as_judge(spliced_inputs):
 
 def test_splice_refuses_an_env_without_a_noop(spliced_inputs):
     cfg, store, refs, trees, _, _ = spliced_inputs
-    suite = "tests.flywheel.test_cli:ArithWithoutNoop"
+    suite = "tests.conftest:ArithWithoutNoop"
     silent = cfg.model_copy(update={"envs": [cfg.envs[0].model_copy(update={"suite": suite})]})
     with pytest.raises(ValueError, match="splice: env craft names no no-op action"):
         stages.splice.run(silent, store, trees, refs["init"], refs["train"], round=1)

@@ -5,6 +5,7 @@
     flywheel artifacts ls [--round R] [--stage S] | show ID | lineage ID
     flywheel report [--json | --html [PATH]]
     flywheel show ID [--task T] [--failed] [--source S] [--limit N]  # episodes of an artifact
+    flywheel credit EXPLORE_ID [--no-greedy]  # where GRPO's signal lands (flywheel/credit.py)
     flywheel config [--fields | --reference]
     flywheel import FILE --format eto|agentgym|openai --env NAME [--split S]  # a trajectories artifact
     flywheel export ID --format eto|agentgym|openai|trl [--out FILE] [--success-only]
@@ -310,6 +311,16 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("--limit", type=_count, default=10, help="at most N episodes (0: all)")
     sh.add_argument("--config")
 
+    cr = sub.add_parser(
+        "credit",
+        help="where GRPO's signal lands in an explore artifact: departures from the oracle, "
+        "the weight that cancels inside groups, slips greedy decoding would not make",
+    )
+    cr.add_argument("id", type=_plain, help="an explore artifact")
+    cr.add_argument("--no-greedy", action="store_true", help="skip the policy's greedy check")
+    cr.add_argument("--config")
+    cr.add_argument("overrides", nargs="*")
+
     cfg = sub.add_parser("config", help="print the resolved config")
     cfg.add_argument("--config")
     cfg.add_argument("--fields", action="store_true", help="list every key with its help text")
@@ -560,6 +571,15 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(text, end="", flush=True)
         except BrokenPipeError:  # `flywheel show ... | less` quit early: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    if args.command == "credit":
+        from flywheel.config import load_config
+        from flywheel.credit import credit_report
+        from flywheel.store import Store
+
+        cfg = load_config(_config_path(args.config), args.overrides)
+        store = Store(cfg.run.store_root(), cfg.run.name)
+        print(credit_report(cfg, store, args.id, greedy=not args.no_greedy))
         return 0
     if args.command == "config":
         from flywheel.config import config_reference, dump_config, field_help, load_config

@@ -608,6 +608,16 @@ class GrpoConfig(TrainSection):
         lt=1,
         description="MIX: expert trajectories as a share of all trained trajectories (Trinity-RFT: 0.5), capped by the explored tasks no sample solved.",
     )
+    failure_credit: Literal["trajectory", "departure"] = Field(
+        default="trajectory",
+        description="Which tokens of a below-average sample carry its negative advantage: every generated one (trajectory, the published rule) or those up to its departure from the better samples of its group (departure: the first token where it leaves all of them; docs/credit.md).",
+    )
+
+    def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
+        """As for any training section; ``failure_credit`` only when it is not the published
+        rule, so runs from before the field keep their ids."""
+        skip = {"failure_credit"} if self.failure_credit == "trajectory" else set()
+        return super().artifact_dump(skip | (exclude or set()))
 
 
 class MctsConfig(Section):

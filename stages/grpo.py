@@ -14,6 +14,12 @@ reward, n = valid tool calls (``tool_ok``), length = generated tokens, format br
 reason invalid or error, or any invalid action). Its ``s_tool`` and ``s_len`` anneal linearly over
 the flywheel rounds: round r uses ``s * (1 - (r - 1) / run.rounds)``, full strength in round 1.
 
+``failure_credit: departure`` trains a below-average sample only up to its departure from the
+better samples of its group: the tokens it shares with one of them cancel against it anyway (the
+same token in the same context gets both advantages), and the tokens after its first wrong one
+continue a trajectory that is already lost, so pushing them down punishes steps that were
+reasonable in their context (docs/credit.md measures both on a real round).
+
 ``expert_weight`` > 0 turns on Trinity-RFT's MIX objective: ``(1 - w) * GRPO + w * NLL`` where the
 NLL is the token mean over expert trajectories mixed into the batches. GRPO learns only from the
 policy's own samples, so a task none of the K samples solved is a flat group and teaches nothing;
@@ -43,6 +49,7 @@ from flywheel.checkpoint import (
     write_train_log,
 )
 from flywheel.config import Config, GrpoConfig
+from flywheel.credit import cut_after_departure
 from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
@@ -97,6 +104,30 @@ def trajectory_example(tokenizer: Any, row: dict[str, Any], advantage: float) ->
     with its stored behaviour log-prob at the same position (0 elsewhere)."""
     ids, mask, old = Trajectory.from_row(row).encode_sampled(tokenizer)
     return {"input_ids": ids, "loss_mask": mask, "old_logprobs": old, "advantage": float(advantage)}
+
+
+def departure_credit(
+    examples: list[dict[str, Any]], keys: list[tuple[str, str]], train_rewards: list[float]
+) -> tuple[list[dict[str, Any]], int]:
+    """``failure_credit: departure``: each sample with a negative advantage keeps its loss mask
+    only up to its departure from the samples of its group with a higher reward
+    (``flywheel.credit.cut_after_departure``). Returns the examples and how many trained tokens
+    were cleared."""
+    by_group: dict[tuple[str, str], list[int]] = {}
+    for i, key in enumerate(keys):
+        by_group.setdefault(key, []).append(i)
+    out, cleared = list(examples), 0
+    for members in by_group.values():
+        for i in members:
+            if examples[i]["advantage"] >= 0:
+                continue
+            better = [
+                examples[j]["input_ids"] for j in members if train_rewards[j] > train_rewards[i]
+            ]
+            mask = cut_after_departure(examples[i]["input_ids"], examples[i]["loss_mask"], better)
+            cleared += sum(examples[i]["loss_mask"]) - sum(mask)
+            out[i] = examples[i] | {"loss_mask": mask}
+    return out, cleared
 
 
 def unsolved_expert(
@@ -210,6 +241,11 @@ def run(
     examples = [
         trajectory_example(tokenizer, row, row["advantage"]) for row in rows.iter_rows(named=True)
     ]
+    cut = 0
+    if gc.failure_credit == "departure":
+        examples, cut = departure_credit(
+            examples, group_keys(frame), frame["train_reward"].to_list()
+        )
     n_expert = 0
     if mix:
         # Only whether each explored task was solved matters, not its (large) token columns.
@@ -234,6 +270,11 @@ def run(
             if mix
             else ""
         )
+        + (
+            f", departure credit: {cut} tokens of failures after their departure untrained"
+            if gc.failure_credit == "departure"
+            else ""
+        )
     )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="grpo", cfg=gc,
@@ -255,6 +296,8 @@ def run(
     }
     if gc.efficiency_reward:
         summary |= {"s_tool": s_tool, "s_len": s_len}
+    if gc.failure_credit == "departure":
+        summary["tokens_after_departure"] = cut
     if mix:
         summary |= {
             "expert_trajectories": n_expert,

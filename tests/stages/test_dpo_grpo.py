@@ -386,6 +386,48 @@ def test_grpo_trains_from_on_policy_groups(world, sampled):
     assert grpo.run(cfg, Store(store.root_url, run="test"), policy, sampled, round=1).id == ref.id
 
 
+def test_departure_credit_untrains_what_a_failure_does_after_leaving_the_better_samples(
+    world, sampled
+):
+    store, tokenizer, policy = world
+    frame, _ = grpo.prepare(pl.from_arrow(store.read(sampled)), GrpoConfig(), 0.0, 0.0)
+    rows = list(frame.iter_rows(named=True))
+    examples = [grpo.trajectory_example(tokenizer, r, r["advantage"]) for r in rows]
+    keys, rewards = grpo.group_keys(frame), frame["train_reward"].to_list()
+    cut, cleared = grpo.departure_credit(examples, keys, rewards)
+    assert cleared == sum(
+        sum(a["loss_mask"]) - sum(b["loss_mask"]) for a, b in zip(examples, cut, strict=True)
+    )
+    assert cleared > 0
+    for i, (before, after) in enumerate(zip(examples, cut, strict=True)):
+        if before["advantage"] >= 0:
+            assert after == before  # successes and above-average samples train every token
+            continue
+        assert after["input_ids"] == before["input_ids"]
+        better = [examples[j]["input_ids"] for j in range(len(rows))
+                  if keys[j] == keys[i] and rewards[j] > rewards[i]]  # fmt: skip
+        depart = max(
+            next(
+                (p for p, (x, y) in enumerate(zip(before["input_ids"], b, strict=False)) if x != y),
+                min(len(b), len(before["input_ids"])),
+            )
+            for b in better
+        )
+        kept = [p for p, m in enumerate(after["loss_mask"]) if m]
+        assert all(p <= depart for p in kept)
+        assert kept == [p for p, m in enumerate(before["loss_mask"]) if m and p <= depart]
+
+    base = Cfg(grpo=GrpoConfig(lr=3e-3, **TRAIN | {"micro_batch_size": 4}))
+    departed = Cfg(
+        grpo=GrpoConfig(lr=3e-3, failure_credit="departure", **TRAIN | {"micro_batch_size": 4})
+    )
+    # the published rule keeps the ids runs had before the field; the other rule is a new run
+    assert "failure_credit" not in grpo.artifact_config(base, 1)["grpo"]
+    ref = grpo.run(departed, store, policy, sampled, round=1)
+    assert ref.id != grpo.run(base, store, policy, sampled, round=1).id
+    assert ref.summary["tokens_after_departure"] == cleared
+
+
 def test_only_flat_groups_pass_the_policy_on(world, sampled):
     store, _, policy = world
     flat = [r | {"reward": 0.5} for r in pl.from_arrow(store.read(sampled)).to_dicts()]

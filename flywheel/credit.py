@@ -16,9 +16,9 @@ real exploration artifact:
   position is a node of the group's prefix tree (same context, same token). A node's *net*
   weight is the sum of the advantages of the samples through it; the *gross* weight is the sum
   of their absolute values. ``1 - net / gross`` is the share that cancels inside the group.
-- **greedy**: whether the departing token of a failed sample is the policy's own first choice
-  there (its argmax). Test episodes decode greedily, so a slip that greedy decoding would not
-  make changes no test episode however hard it is pushed down.
+- **greedy**: whether, at a failed sample's departure, the policy's own first choice (its
+  argmax) leaves the oracle's path too. Test episodes decode greedily, so a slip where greedy
+  decoding would follow the oracle changes no test episode however hard it is pushed down.
 
 Pure functions on encoded samples; the command (flywheel/cli.py) reads the artifacts, runs the
 oracle on the explored tasks and loads the policy.
@@ -113,7 +113,8 @@ class Credit:
     # once the group's other samples through them are added.
     pushed_down: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOCATIONS, 0.0))
     net_down: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOCATIONS, 0.0))
-    departures: list[tuple[Sample, int]] = field(default_factory=list)  # failed, oracle known
+    # (failed sample, its departure, the oracle's token there; -1 past the oracle's end)
+    departures: list[tuple[Sample, int, int]] = field(default_factory=list)
 
     @property
     def cancelled(self) -> float:
@@ -150,7 +151,7 @@ def measure(samples: Iterable[Sample], oracle: dict[tuple[str, str], list[int]])
         for s, a in zip(group, weights, strict=True):
             depart = departure(s.ids, path) if path is not None else None
             if not s.success and depart is not None:
-                out.departures.append((s, depart))
+                out.departures.append((s, depart, path[depart] if depart < len(path) else -1))
                 if depart < len(s.ids) and s.mask[depart]:
                     turn = _turn_of(s.mask, depart)
                     out.departing_turn[turn] = out.departing_turn.get(turn, 0) + 1
@@ -178,16 +179,18 @@ def measure(samples: Iterable[Sample], oracle: dict[tuple[str, str], list[int]])
 
 
 def greedy_share(
-    departures: Sequence[tuple[Sample, int]], first_choice: Callable[[list[int]], int]
+    departures: Sequence[tuple[Sample, int, int]], first_choice: Callable[[list[int]], int]
 ) -> tuple[int, int]:
-    """``(n, greedy)``: how many failed samples depart on a generated token, and at how many of
-    them the token is ``first_choice(context)`` (the policy's argmax after that context)."""
+    """``(n, greedy)``: how many failed samples depart from the oracle on a generated token, and
+    at how many of them the policy's own first choice (``first_choice(context)``, its argmax)
+    leaves the oracle too: greedy decoding would make a mistake there as well. At the others the
+    sample slipped where greedy decoding follows the oracle."""
     n = greedy = 0
-    for s, pos in departures:
-        if pos >= len(s.ids) or not s.mask[pos]:
+    for s, pos, oracle_token in departures:
+        if pos >= len(s.ids) or not s.mask[pos] or oracle_token < 0:
             continue
         n += 1
-        greedy += first_choice(s.ids[:pos]) == s.ids[pos]
+        greedy += first_choice(s.ids[:pos]) != oracle_token
     return n, greedy
 
 
@@ -215,7 +218,8 @@ def format_credit(c: Credit, greedy: tuple[int, int] | None = None) -> str:
     if greedy is not None:
         n, g = greedy
         lines.append(
-            f"departing tokens that are the policy's greedy choice: {g} of {n} ({pct(g, n)})"
+            f"departures where the policy's greedy choice leaves the oracle too: {g} of {n} "
+            f"({pct(g, n)}; the rest are slips of sampling)"
         )
     return "\n".join(lines)
 

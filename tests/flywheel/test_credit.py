@@ -78,22 +78,27 @@ def test_a_shared_prefix_cancels_and_the_rest_lands_at_and_after_the_departure()
     assert found.net_down[DEPARTURE] == pytest.approx(2 * abs(w_fail), rel=1e-6)
     assert found.pushed_down[AFTER] == pytest.approx(abs(w_fail), rel=1e-6)  # a's token 6
     assert found.pushed_down[NO_ORACLE] == pytest.approx(w2, rel=1e-6)
-    assert [pos for _, pos in found.departures] == [3, 4]
+    assert [(pos, token) for _, pos, token in found.departures] == [(3, 2), (4, 3)]
 
 
-def test_greedy_share_asks_the_policy_at_each_departure():
+def test_greedy_share_asks_whether_the_policy_itself_leaves_the_oracle_there():
     mask = [0, 1, 1]
-    fails = [(sample([7, 1, 2], mask, 0), 1), (sample([7, 3, 4], mask, 0), 2)]
-    untrained = (sample([7, 1, 2], [0, 0, 1], 0), 1)  # departs on a prompt token: not counted
-    beyond = (sample([7, 1], [0, 1], 0), 2)  # never departs inside its own ids
+    # (sample, departure, the oracle's token there); the policy's argmax is always token 1
+    slip = (sample([7, 3, 2], mask, 0), 1, 1)  # oracle says 1, argmax 1: greedy follows it
+    mistake = (sample([7, 1, 4], mask, 0), 2, 2)  # oracle says 2, argmax 1: greedy leaves too
+    both_wrong = (sample([7, 5, 4], mask, 0), 1, 9)  # sampled 5, argmax 1, oracle 9
+    untrained = (sample([7, 1, 2], [0, 0, 1], 0), 1, 4)  # departs on a prompt token
+    beyond = (sample([7, 1], [0, 1], 0), 2, 4)  # never departs inside its own ids
+    past_oracle = (sample([7, 1, 2], mask, 0), 2, -1)  # the oracle ended before it
     seen = []
 
     def first(context):
         seen.append(list(context))
-        return 1  # the policy's argmax is always token 1
+        return 1
 
-    assert greedy_share([*fails, untrained, beyond], first) == (2, 1)
-    assert seen == [[7], [7, 3]]
+    found = greedy_share([slip, mistake, both_wrong, untrained, beyond, past_oracle], first)
+    assert found == (3, 2)
+    assert seen == [[7], [7, 1], [7]]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +135,7 @@ def test_credit_reads_a_real_explore_artifact(tiny, capsys):
         f"{varied['failed'].sum()} failed)" in out
     )
     assert "cancels inside the groups" in out
-    assert "departing tokens that are the policy's greedy choice:" in out
+    assert "departures where the policy's greedy choice leaves the oracle too:" in out
 
 
 @pytest.mark.slow  # the shared tiny flywheel run

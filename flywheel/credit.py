@@ -205,7 +205,7 @@ def format_credit(c: Credit, greedy: tuple[int, int] | None = None) -> str:
         "departing assistant turn (1st, 2nd, ...): "
         + (" / ".join(str(c.departing_turn[t]) for t in sorted(c.departing_turn)) or "none"),
         f"GRPO weight: gross {c.gross:.1f}, net {c.net:.1f}: "
-        f"{pct(c.gross - c.net, c.gross)} cancels inside the groups",
+        f"{100 * c.cancelled:.1f}% cancels inside the groups",
         "failed samples' negative weight by where it lands (own -> net of the group):",
     ]
     down, net = sum(c.pushed_down.values()), sum(c.net_down.values())

@@ -72,6 +72,7 @@ def test_a_shared_prefix_cancels_and_the_rest_lands_at_and_after_the_departure()
     # nodes: 1 (all three: net 0), 2 (good + b), 3 (good), 5 (a), 6 (a), 8 (b); t2: two leaves
     net = 0 + abs(w_good + w_fail) + w_good + 3 * abs(w_fail) + 2 * w2
     assert found.net == pytest.approx(net, rel=1e-6)
+    assert found.cancelled == pytest.approx(1 - net / found.gross, rel=1e-6) and found.cancelled > 0
     assert found.pushed_down[ON_PATH] == pytest.approx(3 * abs(w_fail), rel=1e-6)
     assert found.net_down[ON_PATH] == pytest.approx(0.0, abs=1e-9)  # node 1 and node 2 net >= 0
     assert found.pushed_down[DEPARTURE] == pytest.approx(2 * abs(w_fail), rel=1e-6)

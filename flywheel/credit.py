@@ -150,7 +150,7 @@ def measure(samples: Iterable[Sample], oracle: dict[tuple[str, str], list[int]])
         visits = []  # (sample, advantage, node, location) per trained position
         for s, a in zip(group, weights, strict=True):
             depart = departure(s.ids, path) if path is not None else None
-            if not s.success and depart is not None:
+            if not s.success and path is not None and depart is not None:
                 out.departures.append((s, depart, path[depart] if depart < len(path) else -1))
                 if depart < len(s.ids) and s.mask[depart]:
                     turn = _turn_of(s.mask, depart)

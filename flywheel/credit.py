@@ -56,7 +56,6 @@ class Sample:
     mask: list[int]
     reward: float
     success: bool
-    logprobs: list[float] = field(default_factory=list)  # per position, 0 where not generated
 
 
 def departure(ids: Sequence[int], oracle: Sequence[int]) -> int:
@@ -258,10 +257,10 @@ def credit_report(cfg: Config, store: Store, artifact_id: str, *, greedy: bool =
     rows = store.read(ref).to_pylist()
     samples = []
     for row in rows:
-        ids, mask, old = Trajectory.from_row(row).encode_sampled(tokenizer)
+        ids, mask, _ = Trajectory.from_row(row).encode_sampled(tokenizer)
         samples.append(
             Sample((row["env"], row["task_id"]), ids, mask, float(row["reward"] or 0.0),
-                   bool(row["success"]), old)
+                   bool(row["success"]))
         )  # fmt: skip
     oracle: dict[tuple[str, str], list[int]] = {}
     envs = {e.name: e for e in cfg.envs}

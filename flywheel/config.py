@@ -290,7 +290,12 @@ class TrainSection(Section):
     checkpoint_every: int = Field(
         default=0,
         ge=0,
-        description="Save resumable training state (optimizer, data position) every N steps; 0 = none.",
+        description="Save resumable training state (optimizer, data position) every N steps; 0 = by time only (checkpoint_minutes).",
+    )
+    checkpoint_minutes: float = Field(
+        default=15.0,
+        ge=0,
+        description="Also save that state once this many minutes have passed since the last save (or the start), so a killed step resumes and loses at most this much; 0 = by steps only.",
     )
     max_steps: int | None = Field(
         default=None,
@@ -355,9 +360,17 @@ class TrainSection(Section):
         return self
 
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
-        """The fields artifact ids hash: all but where the ranks run (world_size, hostfile),
-        which changes the speed and not the trained weights."""
-        return self.model_dump(exclude={"world_size", "hostfile"} | (exclude or set()))
+        """The fields artifact ids hash: all but where the ranks run (world_size, hostfile) and
+        when the train state is saved (checkpoint_every, checkpoint_minutes), which change the
+        speed and not the trained weights."""
+        dump = self.model_dump(
+            exclude={"world_size", "hostfile", "checkpoint_minutes"} | (exclude or set())
+        )
+        if "checkpoint_every" in dump:
+            # Hashed as its old default, so the ids of runs from before the cadence stopped
+            # counting stay the same (and a run that saves more often is still a cache hit).
+            dump["checkpoint_every"] = 0
+        return dump
 
     def deepspeed_template(self) -> Path | None:
         """deepspeed_config as a path: as written when it exists (or is absolute), else relative

@@ -31,9 +31,11 @@ with the same weights within float rounding; only an epoch whose micro-batch cou
 multiple of N differs, on its last step, where the list is padded by wrapping around. Rank 0
 validates and broadcasts the result, so every rank stops at the same step.
 
-Every `checkpoint_every` steps the engine, optimizer, scheduler and data position go to
-`out_dir/_train_state`; calling `train()` again with the same `out_dir` resumes there and ends with
-the same parameters as an uninterrupted run. The train state is deleted once the final model is
+Every `checkpoint_every` steps, and once `checkpoint_minutes` have passed since the last save
+(15 by default: a killed step loses at most that much), the engine, optimizer, scheduler and data
+position go to `out_dir/_train_state`; calling `train()` again with the same `out_dir` resumes
+there and ends with the same parameters as an uninterrupted run (a save falls between steps, so
+when it happens does not change what is trained). The train state is deleted once the final model is
 saved. With ZeRO-3 the `model` object is left partitioned afterwards: load `out_dir` to use it.
 
 Tests: `pytest tests/flywheel/training/test_loop.py` (the 2-rank launcher test is marked slow).
@@ -195,6 +197,7 @@ def train(
 
         engine.train()
         every = log_every or max(1, total // 20)
+        saved_at = time.monotonic()
         window_tokens, window_start = 0, time.perf_counter()
         local, local_epoch = [], -1
         reason = "steps"
@@ -231,9 +234,15 @@ def train(
             if validating and (step % cfg.val_every == 0 or step == total or out_of_tokens):
                 check(step, record)  # the last step is always validated, whatever ends the run
             history.append(record)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
+            # With lr drops a plateau reloads the best weights, which live outside the train
+            # state: saving right after each improvement keeps a resumed run from reloading
+            # weights that a lost step wrote after the saved state.
+            improved = validating and cfg.lr_drops > 0 and st.best_step == step
+            due = _checkpoint_due(cfg, step, time.monotonic() - saved_at, world)
+            if step < total and (due or (improved and _checkpointing(cfg))):
                 st.step, st.epoch, st.batch_index = step, epoch, batch_index
                 _save_state(engine, state_dir, fingerprint, st)
+                saved_at = time.monotonic()
             window_tokens += int(record["tokens"])
             bar.update(1, tokens=int(record["tokens"]), loss=record["loss"])
             if step % every == 0 or step == total:
@@ -637,6 +646,26 @@ class _State:
     validations: list[dict[str, float]] = field(default_factory=list)  # the one before step 1
 
 
+def _checkpointing(cfg: TrainSection) -> bool:
+    return bool(cfg.checkpoint_every or cfg.checkpoint_minutes)
+
+
+def _checkpoint_due(cfg: TrainSection, step: int, since_save_s: float, world: int) -> bool:
+    """Whether to save the train state after `step`: every `checkpoint_every` steps, and once
+    `checkpoint_minutes` have passed since the last save. Rank 0's clock decides for every rank
+    (the save is collective, and the ranks' clocks differ by a little)."""
+    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        return True
+    if not cfg.checkpoint_minutes:
+        return False
+    due = since_save_s >= 60.0 * cfg.checkpoint_minutes
+    if world > 1:
+        box = [due]
+        dist.broadcast_object_list(box, src=0)
+        due = bool(box[0])
+    return due
+
+
 def _save_state(engine: Any, state_dir: Path, fingerprint: str, st: _State) -> None:
     """Save a resumable train state, then drop older ones (DeepSpeed writes 'latest' only after a
     complete save, so a crash mid-save still resumes from the previous state)."""
@@ -674,7 +703,9 @@ def _fingerprint(
     max_tokens: int | None,
 ) -> str:
     # Everything that changes which parameters a step produces; not the checkpoint cadence.
-    knobs = cfg.model_dump(exclude={"checkpoint_every", "world_size", "hostfile"})
+    knobs = cfg.model_dump(
+        exclude={"checkpoint_every", "checkpoint_minutes", "world_size", "hostfile"}
+    )
     blob = json.dumps(
         [knobs, seed, dataclasses.asdict(params), kind, lengths, world, max_tokens], sort_keys=True
     )

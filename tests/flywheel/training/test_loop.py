@@ -335,6 +335,36 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path, stage: int) -> None:
     assert torch.allclose(saved_params(tmp_path / "straight"), saved_params(tmp_path / "resumed"))
 
 
+def test_checkpoint_due_by_steps_and_by_time() -> None:
+    by_steps = TrainSection(checkpoint_every=3, checkpoint_minutes=0)
+    assert [s for s in range(1, 10) if loop._checkpoint_due(by_steps, s, 1e9, 1)] == [3, 6, 9]
+    by_time = TrainSection(checkpoint_minutes=2)  # checkpoint_every 0: time alone
+    assert not loop._checkpoint_due(by_time, 5, 119.0, 1)
+    assert loop._checkpoint_due(by_time, 5, 120.0, 1)
+    assert not loop._checkpointing(TrainSection(checkpoint_minutes=0))
+    assert TrainSection().checkpoint_minutes == 15  # on by default: a killed step resumes
+
+
+def test_resume_from_a_state_saved_by_time(tmp_path: Path) -> None:
+    # A tiny checkpoint_minutes saves after every step; the log callback runs after the save, so
+    # a crash there at step 5 leaves step 5's state.
+    cfg = CFG | {"epochs": 2, "micro_batch_size": 2, "grad_accum": 2, "checkpoint_minutes": 1e-9}
+    examples = counting(12, seed=3)
+    train(tiny_model(), examples, loss="sft", cfg=cfg, out_dir=tmp_path / "straight")
+
+    def crash_at_5(record: dict) -> None:
+        if record["step"] == 5:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train(tiny_model(), examples, loss="sft", cfg=cfg, out_dir=tmp_path / "r", log=crash_at_5)
+    assert (tmp_path / "r" / loop.STATE_DIR / "latest").read_text().strip() == "step5"
+    resumed = train(tiny_model(seed=7), examples, loss="sft", cfg=cfg, out_dir=tmp_path / "r")
+    assert resumed.steps == 6
+    assert torch.allclose(saved_params(tmp_path / "straight"), saved_params(tmp_path / "r"))
+    assert not (tmp_path / "r" / loop.STATE_DIR).exists()  # deleted once the model is saved
+
+
 def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     cfg = dict(**CFG | {"checkpoint_every": 1, "zero_stage": 0})
 
@@ -498,6 +528,36 @@ def test_resume_after_an_lr_drop_matches_an_uninterrupted_run(tmp_path: Path) ->
     assert [r["loss"] for r in resumed.history if "loss" in r] == pytest.approx(
         [r["loss"] for r in straight.history if "loss" in r]
     )
+    assert torch.allclose(saved_params(tmp_path / "straight"), saved_params(tmp_path / "resumed"))
+
+
+def test_resume_after_an_improvement_past_the_last_periodic_save(tmp_path: Path) -> None:
+    # Periodic saves at steps 5 and 10; the plateau at step 6 reloads the best weights, and
+    # step 8 is a new best. A crash at step 9 resumed from step 5 would reload step 8's
+    # weights at step 6 (the best folder lives outside the train state), so every improvement
+    # also saves the state: the run resumes from step 8.
+    cfg = DROP_CFG | {"checkpoint_every": 5, "checkpoint_minutes": 0}
+    steps = sorted(DROP_CURVE)
+    straight = train(
+        tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path / "straight",
+        validate=scripted(steps, {}),
+    )  # fmt: skip
+
+    def crash_at_9(record: dict) -> None:
+        if record["step"] == 9:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train(
+            tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path / "resumed",
+            validate=scripted([s for s in steps if s <= 8], {}), log=crash_at_9,
+        )  # fmt: skip
+    assert (tmp_path / "resumed" / loop.STATE_DIR / "latest").read_text().strip() == "step8"
+    resumed = train(
+        tiny_model(seed=7), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path / "resumed",
+        validate=scripted([s for s in steps if s > 8], {}),
+    )  # fmt: skip
+    assert (resumed.best_step, resumed.lr_drop_steps) == (straight.best_step, [6])
     assert torch.allclose(saved_params(tmp_path / "straight"), saved_params(tmp_path / "resumed"))
 
 

@@ -253,8 +253,14 @@ def credit_report(cfg: Config, store: Store, artifact_id: str, *, greedy: bool =
             f"{artifact_id} is a {ref.stage} artifact; credit reads an explore artifact"
         )
     policy_id, tasks_id = ref.inputs
-    model, tokenizer = load_policy(store, store.get(policy_id))
     rows = store.read(ref).to_pylist()
+    envs = {e.name: e for e in cfg.envs}
+    unknown = sorted({row["env"] for row in rows} - set(envs))
+    if unknown:  # refused before the policy loads
+        raise ValueError(
+            f"{artifact_id} explored env {unknown[0]!r}, which the config does not name"
+        )
+    model, tokenizer = load_policy(store, store.get(policy_id))
     samples = []
     for row in rows:
         ids, mask, _ = Trajectory.from_row(row).encode_sampled(tokenizer)
@@ -263,10 +269,7 @@ def credit_report(cfg: Config, store: Store, artifact_id: str, *, greedy: bool =
                    bool(row["success"]))
         )  # fmt: skip
     oracle: dict[tuple[str, str], list[int]] = {}
-    envs = {e.name: e for e in cfg.envs}
     for env in sorted({row["env"] for row in rows}):
-        if env not in envs:
-            raise ValueError(f"{artifact_id} explored env {env!r}, which the config does not name")
         suite = make_suite(envs[env])
         if not has_oracle(suite):
             continue  # its samples count under "no oracle"

@@ -141,6 +141,28 @@ def test_credit_reads_a_real_explore_artifact(tiny, capsys):
 
 
 @pytest.mark.slow  # the shared tiny flywheel run
+def test_credit_refuses_an_env_the_config_does_not_name_before_loading_the_policy(
+    tiny, capsys, monkeypatch
+):
+    path, store, made = tiny
+    (explore,) = [r for r in store.list(round=1, stage="explore") if r.id in made]
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the policy was loaded before the env was checked")
+
+    monkeypatch.setattr("flywheel.checkpoint.load_policy", no_load)
+    capsys.readouterr()
+    rc = main(
+        ["credit", "--config", str(path), explore.id, "envs.0.name=other", "envs.0.suite=arith"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip() == (
+        f"flywheel: error: {explore.id} explored env 'arith', which the config does not name"
+    )
+
+
+@pytest.mark.slow  # the shared tiny flywheel run
 def test_credit_refuses_an_artifact_that_is_not_an_exploration(tiny, capsys):
     sft, rc, _, err = credit(capsys, tiny, "sft", 0)
     assert rc == 2

@@ -255,6 +255,9 @@ def _config_path(arg: str | None) -> str | None:
     return str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None
 
 
+RUN_OVERRIDES = "key.sub=value config overrides (run.name=... picks another run's store)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="flywheel", description="Train LLM agents on their own experience.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -282,11 +285,14 @@ def _parser() -> argparse.ArgumentParser:
     ls = asub.add_parser("ls")
     ls.add_argument("--round", type=_count)
     ls.add_argument("--stage", type=_plain)
+    ls.add_argument("overrides", nargs="*", help=RUN_OVERRIDES)
     show = asub.add_parser("show")
     show.add_argument("id", type=_plain)
     show.add_argument("--rows", type=_count, default=0, help="also print the first N rows")
+    show.add_argument("overrides", nargs="*", help=RUN_OVERRIDES)
     lin = asub.add_parser("lineage")
     lin.add_argument("id", type=_plain)
+    lin.add_argument("overrides", nargs="*", help=RUN_OVERRIDES)
 
     rep = sub.add_parser("report", help="held-out metrics of every evaluated policy")
     fmt = rep.add_mutually_exclusive_group()
@@ -297,9 +303,10 @@ def _parser() -> argparse.ArgumentParser:
         const="",
         metavar="PATH",
         help="write the HTML report into the folder PATH (default: <run.work_dir>/report/<run.name>) "
-        "and print the path of its index.html",
+        "and print the path of its index.html; overrides go before --html",
     )
     rep.add_argument("--config")
+    rep.add_argument("overrides", nargs="*", help=RUN_OVERRIDES)
 
     sh = sub.add_parser(
         "show", help="print the episodes of a trajectories, eval, groups or pairs artifact"
@@ -310,6 +317,7 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("--source", help="only this source: expert, explore, mcts, revision, import")
     sh.add_argument("--limit", type=_count, default=10, help="at most N episodes (0: all)")
     sh.add_argument("--config")
+    sh.add_argument("overrides", nargs="*", help=RUN_OVERRIDES)
 
     cr = sub.add_parser(
         "credit",
@@ -409,11 +417,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _store(config: str | None):
+def _store(config: str | None, overrides: list[str]):
     from flywheel.config import load_config
     from flywheel.store import Store
 
-    cfg = load_config(_config_path(config))
+    cfg = load_config(_config_path(config), overrides)
     return Store(cfg.run.store_root(), cfg.run.name)
 
 
@@ -521,7 +529,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(ref_id)
         return 0
     if args.command == "artifacts":
-        store = _store(args.config)
+        store = _store(args.config, args.overrides)
         if args.action == "ls":
             refs, problems = store.scan(round=args.round, stage=args.stage)
             for ref in refs:
@@ -548,18 +556,18 @@ def _dispatch(args: argparse.Namespace) -> int:
             from flywheel.html_report import write_html
             from flywheel.store import Store
 
-            cfg = load_config(_config_path(args.config))
+            cfg = load_config(_config_path(args.config), args.overrides)
             out = Path(args.html or Path(cfg.run.work_dir) / "report" / cfg.run.name)
             print(write_html(Store(cfg.run.store_root(), cfg.run.name), out))
             return 0
-        rows = collect(_store(args.config))
+        rows = collect(_store(args.config, args.overrides))
         print(json.dumps(rows, indent=2) if args.json else format_table(rows))
         return 0
     if args.command == "show":
         from flywheel.show import render, use_color
 
         text = render(
-            _store(args.config),
+            _store(args.config, args.overrides),
             args.id,
             task=args.task,
             failed=args.failed,

@@ -75,8 +75,10 @@ def test_overrides_may_follow_options():
     assert (args.rounds, args.overrides) == (2, ["a.b=1", "c.d=2"])
     with pytest.raises(SystemExit):
         _parse(["stage", "grpo", "--round", "1", "--nope"])
+    args = _parse(["report", "--json", "run.name=other"])
+    assert args.json and args.overrides == ["run.name=other"]
     with pytest.raises(SystemExit):
-        _parse(["report", "extra"])  # report takes no overrides
+        _parse(["report", "--json", "--nope"])
 
 
 def test_unknown_key_in_yaml_is_one_line(tmp_path, capsys):
@@ -270,6 +272,21 @@ def test_artifacts_ls_show_lineage(small_store, capsys):
     assert "arith/oracle_success=" in lines[0]
     assert lines[1].startswith("  " + tasks.id) and "[tasks, round 0]" in lines[1]
     assert lines[2].startswith("  " + val.id)
+
+
+def test_reading_commands_take_overrides(small_store, capsys):
+    # run.name=... reads another run's store with the same config; that one is empty here.
+    path, store, _, expert = small_store
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "run.name=other")
+    assert (rc, out) == (0, "")
+    rc, out, _ = run_cli(capsys, "report", "--json", "--config", str(path), "run.name=other")
+    assert (rc, json.loads(out)) == (0, [])
+    rc, _, err = run_cli(capsys, "show", expert.id, "--config", str(path), "run.name=other")
+    assert rc == 2 and f"no artifact {expert.id} in " in err and err.strip().endswith("/other")
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "show", expert.id)
+    assert rc == 0 and expert.id in out  # the config's own run still has it
+    rc, _, err = run_cli(capsys, "artifacts", "--config", str(path), "lineage", expert.id, "x.y=1")
+    assert_one_line_error(rc, err, "unknown key x")
 
 
 def test_config_fields_and_dump(tmp_path, capsys):

@@ -88,9 +88,12 @@ class ProcessWatch:
         self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, command line)
 
     def poll(self) -> None:
+        # The command line is read again while the process lives: one first seen between fork
+        # and exec shows an empty (or its parent's) command line, which exec then replaces.
         for pid, start in descendants(self.proc.pid).items():
-            if pid not in self.seen:
-                self.seen[pid] = (start, cmdline(pid))
+            line = cmdline(pid)
+            if pid not in self.seen or line not in ("", "?"):
+                self.seen[pid] = (start, line)
 
     def wait(self, timeout: float, until=None) -> bool:
         """Poll every 50 ms until the process exits or ``until()`` is true; True if it did."""

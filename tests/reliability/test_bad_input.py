@@ -255,7 +255,7 @@ CASES = [
     P("artifacts show sft-abc", "no artifact sft-abc", id="show-missing"),
     P("serve --port 0", "--port", "1..65535", id="port-zero"),
     P("serve --port 70000", "--port", "1..65535", id="port-too-big"),
-    P("report extra", "unrecognized arguments: extra", id="report-extra"),
+    P("report extra", "config override 'extra': expected key.sub=value", id="report-extra"),
     # -- import / export (flywheel/interchange.py): a malformed file names file, record, field --
     P(
         "import {tmp}/bad.json --format eto --env arith",

@@ -259,6 +259,13 @@ class EngineConfig(Section):
     )
 
 
+# Training knobs that change the speed and not the trained weights: where the ranks run and when
+# the train state is saved. Artifact ids and a train state's fingerprint leave them out.
+SPEED_ONLY_TRAIN_FIELDS = frozenset(
+    {"world_size", "hostfile", "checkpoint_every", "checkpoint_minutes"}
+)
+
+
 class TrainSection(Section):
     """The knobs of one training run, shared by every training stage and read by the loop."""
 
@@ -360,13 +367,10 @@ class TrainSection(Section):
         return self
 
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
-        """The fields artifact ids hash: all but where the ranks run (world_size, hostfile) and
-        when the train state is saved (checkpoint_every, checkpoint_minutes), which change the
-        speed and not the trained weights."""
-        dump = self.model_dump(
-            exclude={"world_size", "hostfile", "checkpoint_minutes"} | (exclude or set())
-        )
-        if "checkpoint_every" in dump:
+        """The fields artifact ids hash: all but ``SPEED_ONLY_TRAIN_FIELDS``."""
+        exclude = exclude or set()
+        dump = self.model_dump(exclude={*SPEED_ONLY_TRAIN_FIELDS, *exclude})
+        if "checkpoint_every" not in exclude:
             # Hashed as its old default, so the ids of runs from before the cadence stopped
             # counting stay the same (and a run that saves more often is still a cache hit).
             dump["checkpoint_every"] = 0

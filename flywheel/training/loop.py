@@ -60,7 +60,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from flywheel.config import TrainSection
+from flywheel.config import SPEED_ONLY_TRAIN_FIELDS, TrainSection
 from flywheel.progress import Progress
 from flywheel.training import data, losses
 from flywheel.training.prebuild import ensure_extensions_dir
@@ -703,9 +703,7 @@ def _fingerprint(
     max_tokens: int | None,
 ) -> str:
     # Everything that changes which parameters a step produces; not the checkpoint cadence.
-    knobs = cfg.model_dump(
-        exclude={"checkpoint_every", "checkpoint_minutes", "world_size", "hostfile"}
-    )
+    knobs = cfg.model_dump(exclude=set(SPEED_ONLY_TRAIN_FIELDS))
     blob = json.dumps(
         [knobs, seed, dataclasses.asdict(params), kind, lengths, world, max_tokens], sort_keys=True
     )

@@ -255,7 +255,8 @@ def credit_report(cfg: Config, store: Store, artifact_id: str, *, greedy: bool =
     policy_id, tasks_id = ref.inputs
     rows = store.read(ref).to_pylist()
     envs = {e.name: e for e in cfg.envs}
-    unknown = sorted({row["env"] for row in rows} - set(envs))
+    explored = sorted({row["env"] for row in rows})
+    unknown = [env for env in explored if env not in envs]
     if unknown:  # refused before the policy loads
         raise ValueError(
             f"{artifact_id} explored env {unknown[0]!r}, which the config does not name"
@@ -269,7 +270,7 @@ def credit_report(cfg: Config, store: Store, artifact_id: str, *, greedy: bool =
                    bool(row["success"]))
         )  # fmt: skip
     oracle: dict[tuple[str, str], list[int]] = {}
-    for env in sorted({row["env"] for row in rows}):
+    for env in explored:
         suite = make_suite(envs[env])
         if not has_oracle(suite):
             continue  # its samples count under "no oracle"

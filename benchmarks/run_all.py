@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bench_pareto": (["--n", "100000", "--python-n", "4000"], []),
     "bench_sandbox": (["--calls", "50"], []),
+    "chat_encoding": (["--episodes", "32"], []),
     "mcts_tokens": (["--nodes", "8"], []),
     "multiturn": (["--episodes", "64"], []),
     "rollouts": (

@@ -1,6 +1,7 @@
 """The in-process transformers engine, the CPU default.
 
-Prompts are built with ``chat.encode_chat`` (stored turn ids spliced in, never re-tokenized),
+Prompts are built with ``chat.encode_chat`` (stored turn ids spliced in, never re-tokenized;
+a session's prompt resumes from its previous turn's encoding, ``chat.PromptEncoder``),
 sorted by length so each batch pads little, left-padded, and decoded with a small loop over the
 model's KV cache. A hand-written loop rather than ``model.generate`` because it gives, in one
 place, what the stages need: the log-prob of each chosen id under the raw policy (temperature 1,
@@ -40,7 +41,7 @@ import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from flywheel.chat import encode_chat
+from flywheel.chat import PromptEncoder
 from flywheel.engines.base import Chat, Generation, SamplingParams, opened
 
 
@@ -164,6 +165,7 @@ class HFEngine:
         stop = [declared] if isinstance(declared, int) else list(declared or [])
         self.stop_ids = sorted({tokenizer.eos_token_id, *stop} - {None})
         self._sessions: dict[Hashable, _Cached] = {}
+        self._encoder = PromptEncoder(tokenizer)  # a session's prompt resumes its last encoding
         # Prompt tokens run through the model and prompt tokens taken from a session's cache
         # (a shared prefill counts once for its whole group).
         self.stats = {"prompt_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
@@ -180,6 +182,7 @@ class HFEngine:
     def close(self) -> None:
         """Forget every session's cache."""
         self._sessions = {}
+        self._encoder.keep_only(set())
 
     def generate(self, chats: list[Chat], params: SamplingParams) -> list[Generation]:
         if params.max_new_tokens < 1:
@@ -187,10 +190,10 @@ class HFEngine:
             return [opened(empty, c.opening, self.tokenizer) for c in chats]
         # A chat's opening (forced first ids of the turn) is part of its prompt.
         prompts = [
-            encode_chat(self.tokenizer, c.messages, c.turn_token_ids, add_generation_prompt=True)[0]
-            + list(c.opening)
+            self._encoder.prompt(c.messages, c.turn_token_ids, c.session) + list(c.opening)
             for c in chats
         ]
+        self._encoder.keep_only({c.session for c in chats if c.session is not None})
         cached: list[tuple[_Cached, int] | None] = []
         for chat, prompt in zip(chats, prompts, strict=True):
             hit = self._sessions.get(chat.session) if chat.session is not None else None

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from flywheel.chat import encode_chat
+from flywheel.chat import PromptEncoder
 from flywheel.engines.base import Chat, Generation, SamplingParams, opened
 
 
@@ -80,6 +80,8 @@ class OpenAIEngine:
             raise ValueError("the openai engine needs at least one base URL")
         self.base_urls = [u.rstrip("/").removesuffix("/v1") for u in base_urls]
         self.tokenizer = tokenizer
+        # A session's prompt resumes from its last turn's encoding (on the event loop's thread).
+        self._encoder = PromptEncoder(tokenizer)
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self.retries, self.backoff_s = retries, backoff_s
         eos = getattr(tokenizer, "eos_token_id", None)  # no tokenizer: probing only
@@ -206,9 +208,9 @@ class OpenAIEngine:
         return body
 
     async def _generate_one(self, chat: Chat, params: SamplingParams) -> Generation:
-        prompt = encode_chat(
-            self.tokenizer, chat.messages, chat.turn_token_ids, add_generation_prompt=True
-        )[0] + list(chat.opening)  # forced first ids of the turn: the server generates the rest
+        # Forced first ids of the turn go last: the server generates the rest.
+        prompt = self._encoder.prompt(chat.messages, chat.turn_token_ids, chat.session)
+        prompt += list(chat.opening)
         url = self.base_urls[next(self._turn) % len(self.base_urls)]
         body = self._body(
             prompt, params.max_new_tokens, params.temperature, params.top_p, params.seed

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel.chat import encode_chat
+from flywheel.chat import PromptEncoder, encode_chat
 from flywheel.model import train_tokenizer
 
 CHATML = (
@@ -132,3 +132,63 @@ def test_end_of_turn_token_other_than_eos(corpus):
         tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
         == "<python>print(37 + 12)</python><|eot|>"
     )
+
+
+def _prompt(tok, messages, turns=()):
+    return encode_chat(tok, messages, turns, add_generation_prompt=True)[0]
+
+
+def test_prompt_encoder_resumes_each_session_and_matches_encode_chat(tok):
+    """Two interleaved episodes, turn by turn, one with stored ids that tokenize differently
+    from the text: every prompt is the one encode_chat gives for the whole conversation, and
+    from the second turn on the encoder renders only the two new messages and the generation
+    prompt (3 renders: the assistant message starts from the last generation prompt), where
+    encode_chat renders every prefix again."""
+    encoder = PromptEncoder(tok)
+    piece = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    # One character at a time: not how the tokenizer would split the text.
+    stored = [i for ch in "<python>print(37 + 12)</python>" for i in piece(ch)]
+    stored.append(tok.eos_token_id)
+    episodes = {"a": [], "b": [[], stored]}
+    renders = []
+    original = tok.apply_chat_template
+
+    def counting(conversation, **kw):
+        renders.append(len(conversation))
+        return original(conversation, **kw)
+
+    tok.apply_chat_template = counting
+    try:
+        for k in (2, 4, 6):  # the prompt before each assistant turn
+            for session, turns in episodes.items():
+                renders.clear()
+                got = encoder.prompt(MESSAGES[:k], turns, session=session)
+                assert len(renders) == 3, (session, k)
+                assert got == _prompt(tok, MESSAGES[:k], turns), (session, k)
+    finally:
+        tok.apply_chat_template = original
+    assert _prompt(tok, MESSAGES[:6], episodes["b"]) != _prompt(tok, MESSAGES[:6])
+
+
+def test_prompt_encoder_starts_over_when_the_history_changed(tok):
+    encoder = PromptEncoder(tok)
+    encoder.prompt(MESSAGES[:4], session=1)
+    edited = [*MESSAGES[:3], {"role": "user", "content": "What is 40 + 2?"}, *MESSAGES[4:6]]
+    assert encoder.prompt(edited, session=1) == _prompt(tok, edited)
+    # Shorter than what the session saw (a search restoring an earlier node), and new stored ids
+    # for a turn that was tokenized from text before.
+    assert encoder.prompt(MESSAGES[:2], session=1) == _prompt(tok, MESSAGES[:2])
+    encoder.prompt(MESSAGES[:4], session=2)
+    turns = [tok.encode("Ok", add_special_tokens=False) + [tok.eos_token_id]]
+    assert encoder.prompt(MESSAGES[:4], turns, session=2) == _prompt(tok, MESSAGES[:4], turns)
+    # No session: nothing kept.
+    assert encoder.prompt(MESSAGES[:6], session=None) == _prompt(tok, MESSAGES[:6])
+    encoder.keep_only({1})
+    assert set(encoder._sessions) == {1}
+
+
+def test_prompt_encoder_keeps_the_most_recently_used_sessions(tokenizer):
+    encoder = PromptEncoder(tokenizer, max_sessions=2)
+    for session in (1, 2, 1, 3):  # 1 was used after 2, so 2 is the one forgotten
+        encoder.prompt(MESSAGES[:2], session=session)
+    assert list(encoder._sessions) == [1, 3]

@@ -11,6 +11,7 @@ assistant messages a trajectory's stored ids belong to is ``flywheel.trajectory`
 
     ids, mask = encode_chat(tokenizer, messages, turn_token_ids)         # training
     ids, _ = encode_chat(tokenizer, messages, turn_ids, add_generation_prompt=True)  # a prompt
+    ids = PromptEncoder(tokenizer).prompt(messages, turn_ids, session=episode)  # the same, resumed
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ def one_round(
         if "reflect" in kinds:
             reflected = _step(plan, "reflect", round, explored, policy, boot["train"])
     if "mcts" in kinds:
-        trees = _step(plan, "mcts", round, policy, boot["train"])
+        trees = _step(plan, "mcts", round, policy, boot["train"], explored=explored)
         spliced = _step(plan, "splice", round, trees, policy, boot["train"])
     own = [ref for ref in (explored, reflected, spliced) if ref is not None]
     trained = []

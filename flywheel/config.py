@@ -643,7 +643,11 @@ class MctsConfig(Section):
     n_tasks: int | None = Field(
         default=None,
         ge=1,
-        description="Search one tree for each of N training tasks per env per round: round r takes the r-th N, wrapping around the train split, as explore.n_tasks does (null: all, every round).",
+        description="Search one tree for each of N training tasks per env per round: round r takes the r-th N, wrapping around the train split, as explore.n_tasks does (null: all, every round). With tasks: unsolved, at most N of those tasks.",
+    )
+    tasks: Literal["window", "unsolved"] = Field(
+        default="window",
+        description="Which train tasks get a tree: window = the round's window of n_tasks tasks (as explore takes its own); unsolved = the tasks of the round's exploration that none of its samples solved, so the search spends its budget where sampling found nothing and its good paths cover tasks the explore data (and rft) lack. unsolved needs explore in iteration.data.",
     )
     iterations: int = Field(
         default=4, ge=1, description="UCT walks from the root of every tree (Agent-R: 4)."
@@ -698,6 +702,10 @@ class SpliceConfig(Section):
     good_paths: bool = Field(
         default=True,
         description="Also write every good path as a trajectory (source mcts), which round sft trains on next to the revisions (Agent-R mixes both).",
+    )
+    revisions: bool = Field(
+        default=True,
+        description="Write revision trajectories (bad prefix, revision turn, good continuation); false = the good paths alone: search as a solver, for a policy that cannot tell when to revise (on arith a miscopied number looks like a right one). Without revisions an env needs no no-op action.",
     )
     shard_rows: int = Field(
         default=4096, ge=1, description="Trajectories per Parquet shard of the artifact."
@@ -857,6 +865,15 @@ class Config(Section):
             raise ValueError(f"env names must be unique, got {names}")
         if len(set(self.baselines)) != len(self.baselines):
             raise ValueError(f"baselines must be unique, got {self.baselines}")
+        if self.mcts.tasks == "unsolved" and "explore" not in self.iteration.data:
+            raise ValueError(
+                "mcts.tasks=unsolved searches the tasks explore did not solve: add explore to "
+                f"iteration.data (got {self.iteration.data})"
+            )
+        if not self.splice.revisions and not self.splice.good_paths:
+            raise ValueError(
+                "splice.revisions=false and splice.good_paths=false leave splice nothing to write"
+            )
         return self
 
     @field_validator("baselines")

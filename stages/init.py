@@ -34,7 +34,7 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
 
 
 def _revises(cfg: Config) -> bool:
-    return "mcts" in cfg.iteration.data
+    return "mcts" in cfg.iteration.data and cfg.splice.revisions
 
 
 def _reflects(cfg: Config) -> bool:

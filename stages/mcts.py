@@ -61,9 +61,11 @@ LABEL_BOX = {"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 
 
 def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
     """What the artifact id hashes: the search settings, engine and env settings, the seed, and
-    the window of train tasks round ``round`` searches."""
+    the window of train tasks round ``round`` searches (with ``tasks: unsolved`` the explore
+    artifact, an input, says which tasks; ``tasks`` is hashed only then, so window ids are
+    those from before the field)."""
     return {
-        "mcts": cfg.mcts.model_dump(),
+        "mcts": cfg.mcts.model_dump(exclude={"tasks"} if cfg.mcts.tasks == "window" else None),
         "engine": cfg.engine_dump(),
         "envs": cfg.envs_dump(),
         "seed": cfg.run.seed,
@@ -78,23 +80,32 @@ def run(
     tasks: ArtifactRef,
     *,
     round: int,
+    explored: ArtifactRef | None = None,
     force: bool = False,
 ) -> ArtifactRef:
+    """Search round ``round``'s trees; with ``mcts.tasks: unsolved``, ``explored`` (the round's
+    explore artifact) says which tasks no sample solved, and only those get a tree."""
+    mc = cfg.mcts
+    unsolved = mc.tasks == "unsolved"
+    if unsolved and explored is None:
+        raise ValueError("mcts.tasks=unsolved needs the round's explore artifact")
     w = store.writer(
         "trees",
         stage="mcts",
         round=round,
         config=artifact_config(cfg, round),
-        inputs=[policy.id, tasks.id],
+        inputs=[policy.id, tasks.id] + ([explored.id] if unsolved and explored else []),
         force=force,
     )
     if w.cached:
         return w.ref
-    mc = cfg.mcts
     with rollout_setup(
-        cfg, store, policy, tasks, split="train", limit=mc.n_tasks, window=round - 1,
+        cfg, store, policy, tasks, split="train",
+        limit=None if unsolved else mc.n_tasks, window=0 if unsolved else round - 1,
         label="mcts", needs_logprobs=True,
     ) as (engine, _, tasks_by_env):  # fmt: skip
+        if unsolved and explored is not None:
+            tasks_by_env = unsolved_tasks(store, explored, tasks_by_env, limit=mc.n_tasks)
         plan = [
             (suite, chunk[start : start + mc.shard_size])
             for suite, chunk in tasks_by_env
@@ -108,6 +119,34 @@ def run(
     if trees:
         plot_tree(pick_tree(trees), w.local_dir() / PLOT)
     return w.commit(summary=flatten({env: summary(group) for env, group in by_env.items()}))
+
+
+def unsolved_tasks(
+    store: Store,
+    explored: ArtifactRef,
+    tasks_by_env: list[tuple[EnvSuite, list[Task]]],
+    *,
+    limit: int | None,
+) -> list[tuple[EnvSuite, list[Task]]]:
+    """Each env's explored tasks that none of the explore artifact's samples solved, in the
+    train split's order, the first ``limit`` of them per env (all with None)."""
+    rows = store.read(explored, columns=["env", "task_id", "success"]).to_pylist()
+    seen: dict[str, set[str]] = {}
+    solved: dict[str, set[str]] = {}
+    for row in rows:
+        seen.setdefault(row["env"], set()).add(row["task_id"])
+        if row["success"]:
+            solved.setdefault(row["env"], set()).add(row["task_id"])
+    picked = []
+    for suite, tasks in tasks_by_env:
+        left = seen.get(suite.name, set()) - solved.get(suite.name, set())
+        chosen = [t for t in tasks if t.task_id in left][:limit]
+        say(
+            f"mcts: {suite.name}: {len(chosen)} of the {len(left)} tasks no explored sample "
+            f"solved (of {len(seen.get(suite.name, ()))} explored)"
+        )
+        picked.append((suite, chosen))
+    return picked
 
 
 def _search_shards(

@@ -52,8 +52,12 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
     only when the judge runs) and the env settings (the revision turn is stepped for real)."""
     sp = cfg.splice
     judge = sp.verifier == "judge"
+    # revisions is hashed only when off, so the ids from before the field stay the same.
+    exclude = {"revisions"} if sp.revisions else set()
+    if not judge:
+        exclude.add("judge_max_new_tokens")
     conf: dict[str, Any] = {
-        "splice": sp.model_dump(exclude=None if judge else {"judge_max_new_tokens"}),
+        "splice": sp.model_dump(exclude=exclude),
         "envs": cfg.envs_dump(),
     }
     if judge:
@@ -83,7 +87,7 @@ def run(
     if w.cached:
         return w.ref
     forest = trees_from_rows(store.read(trees).to_pylist())
-    suites = _suites(cfg, {t.env for t in forest})
+    suites = _suites(cfg, {t.env for t in forest}, noop=sp.revisions)
     by_id = {
         task.task_id: task
         for env in suites
@@ -98,7 +102,8 @@ def run(
     for tree in forest:
         suite = suites[tree.env]
         made = tree_rows(tree, suite, by_id[tree.task_id], sp.alpha, sp.beta,
-                         flags.get(tree.tree_id), good=sp.good_paths)  # fmt: skip
+                         flags.get(tree.tree_id), good=sp.good_paths,
+                         revisions=sp.revisions)  # fmt: skip
         rows += [{**row, "round": round, "policy": policy.id} for row in made]
         c = counts.setdefault(tree.env, dict.fromkeys(COUNTS, 0.0))
         revisions = sum(row["source"] == "revision" for row in made)
@@ -120,17 +125,18 @@ def check_envs(cfg: Config) -> None:
     """A one-line ValueError unless every env of the config names the no-op action a revision
     turn takes. The flow calls it before any work when its rounds will splice, so a config that
     pairs mcts with such an env fails at once, not after the bootstrap and the search."""
-    _suites(cfg, {env_cfg.name for env_cfg in cfg.envs})
+    _suites(cfg, {env_cfg.name for env_cfg in cfg.envs}, noop=cfg.splice.revisions)
 
 
-def _suites(cfg: Config, envs: set[str]) -> dict[str, EnvSuite]:
-    """The suites of the envs the trees searched; each must name its no-op action."""
+def _suites(cfg: Config, envs: set[str], *, noop: bool = True) -> dict[str, EnvSuite]:
+    """The suites of the envs the trees searched; with ``noop`` (revisions are written) each
+    must name its no-op action."""
     suites = {}
     for env_cfg in cfg.envs:
         if env_cfg.name not in envs:
             continue
         suite = make_suite(env_cfg)
-        if not isinstance(getattr(suite, "noop", None), str):
+        if noop and not isinstance(getattr(suite, "noop", None), str):
             raise ValueError(
                 f"splice: env {env_cfg.name} names no no-op action (its suite's noop), which "
                 "the revision turn takes: iteration.data=[..., mcts] needs an env that has one "
@@ -152,12 +158,14 @@ def tree_rows(
     flags: Flags | None,
     *,
     good: bool = True,
+    revisions: bool = True,
 ) -> list[dict[str, Any]]:
-    """A tree's revision rows, then (with ``good``) its good paths as plain rows; trajectory
-    rows without ``round`` and ``policy``."""
-    noop: str = suite.noop  # type: ignore[attr-defined]  # checked by _suites
-    rows = []
-    for k, rev in enumerate(select_revisions(tree, alpha=alpha, beta=beta, flags=flags)):
+    """A tree's revision rows (with ``revisions``), then (with ``good``) its good paths as
+    plain rows; trajectory rows without ``round`` and ``policy``."""
+    rows: list[dict[str, Any]] = []
+    picked = select_revisions(tree, alpha=alpha, beta=beta, flags=flags) if revisions else []
+    noop: str = getattr(suite, "noop", "")  # a str when revisions are written: see _suites
+    for k, rev in enumerate(picked):
         text = revision_turn(pick_thought(tree.tree_id, k), noop=noop)
         observation = revision_observation(suite, task, rev.bad[1 : rev.cut + 2], text)
         rows.append(

@@ -454,6 +454,71 @@ def test_splice_refuses_an_env_without_a_noop(spliced_inputs):
         stages.splice.run(silent, store, trees, refs["init"], refs["train"], round=1)
 
 
+def test_splice_without_revisions_writes_the_good_paths_alone(spliced_inputs):
+    """splice.revisions=false: the same tree gives its good path and no revision, and an env
+    that names no no-op action is then accepted (no revision turn is ever taken)."""
+    cfg, store, refs, trees, task, _ = spliced_inputs
+    suite = "tests.conftest:ArithWithoutNoop"
+    off = cfg.model_copy(
+        update={
+            "splice": cfg.splice.model_copy(update={"revisions": False}),
+            "envs": [cfg.envs[0].model_copy(update={"suite": suite})],
+        }
+    )
+    stages.splice.check_envs(off)  # no no-op needed
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref = stages.splice.run(off, store, trees, refs["init"], refs["train"], round=1)
+    rows = store.read(ref).to_pylist()
+    assert [r["source"] for r in rows] == ["mcts"]
+    assert rows[0]["success"] and rows[0]["task_id"] == task.task_id
+    assert ref.summary["craft/revisions"] == 0 and ref.summary["craft/good_paths"] == 1
+    # hashed only when off: the default's id is the one from before the field
+    assert "revisions" not in stages.splice.artifact_config(cfg)["splice"]
+    assert stages.splice.artifact_config(off)["splice"]["revisions"] is False
+    # the bootstrap's tokenizer learns revision turns only for rounds that write them
+    assert stages.init._revises(cfg) and not stages.init._revises(off)
+
+
+def test_mcts_searches_only_the_tasks_no_explored_sample_solved(boot):
+    """mcts.tasks=unsolved: a tree for each explored task without a successful sample, in the
+    train split's order, at most mcts.n_tasks of them; the explore artifact is an input."""
+    overrides, _, store, refs = boot
+    cfg = load_config(
+        None, [*overrides, "iteration.data=[explore, mcts]", "mcts.tasks=unsolved",
+               "mcts.n_tasks=3"],
+    )  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        train, val, _ = stages.tasks.run(cfg, store)
+        expert = stages.expert.run(cfg, store, train, val)
+    # an explore artifact by hand: two samples of each of the first 8 train tasks, the
+    # demonstration's row twice; tasks 0, 3 and 5 solved by one sample, the rest by none
+    order = [t.task_id for t in load_tasks(store, train, env="craft", split="train")]
+    demo = {r["task_id"]: r for r in store.read(expert).to_pylist() if r["split"] == "train"}
+    rows = []
+    for i, task_id in enumerate(order[:8]):
+        for k in range(2):
+            ok = i in (0, 3, 5) and k == 1
+            rows.append({**demo[task_id], "source": "explore", "sample_idx": k, "success": ok,
+                         "reward": float(ok), "round": 1, "policy": refs["init"].id})  # fmt: skip
+    w = store.writer("trajectories", stage="explore", round=1, config={"hand_built": 1},
+                     inputs=[refs["init"].id, train.id])  # fmt: skip
+    w.write_shard(0, rows)
+    explored = w.commit()
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        ref = stages.mcts.run(cfg, store, refs["init"], train, round=1, explored=explored)
+    trees = trees_from_rows(store.read(ref).to_pylist())
+    assert [t.task_id for t in trees] == [order[1], order[2], order[4]]
+    assert ref.inputs == [refs["init"].id, train.id, explored.id]
+    said = "mcts: craft: 3 of the 5 tasks no explored sample solved (of 8 explored)"
+    assert said in out.getvalue()
+    # the window search's id hashes no `tasks` (ids from before the field); unsolved's does
+    window = load_config(None, overrides)
+    assert "tasks" not in stages.mcts.artifact_config(window, 1)["mcts"]
+    assert stages.mcts.artifact_config(cfg, 1)["mcts"]["tasks"] == "unsolved"
+    with pytest.raises(ValueError, match="mcts.tasks=unsolved needs the round's explore artifact"):
+        stages.mcts.run(cfg, store, refs["init"], train, round=1)
+
+
 def test_splice_on_arith_cuts_where_a_wrong_call_parts_from_the_good_path():
     """arith's steps flag no wrong number, so the rule verifier finds no error and the cut is the
     first call where the bad path leaves the good one; the revision turn takes arith's no-op,
@@ -552,6 +617,11 @@ def test_iteration_data_decides_which_stages_run():
         load_config(None, ["iteration.data=[mcts]", "iteration.steps=[sft]", "baselines=[rft]"])
     with pytest.raises(ConfigError, match="iteration: data must not repeat"):
         load_config(None, ["iteration.data=[mcts, mcts]"])
+    with pytest.raises(ConfigError, match="mcts.tasks=unsolved searches the tasks explore did"):
+        load_config(None, ["iteration.data=[mcts]", "iteration.steps=[sft]", "baselines=[]",
+                           "mcts.tasks=unsolved"])  # fmt: skip
+    with pytest.raises(ConfigError, match="leave splice nothing to write"):
+        load_config(None, ["splice.revisions=false", "splice.good_paths=false"])
 
 
 # -- recovery in evaluate -------------------------------------------------------------------------

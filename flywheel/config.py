@@ -136,6 +136,12 @@ class TinyModelConfig(Section):
     max_position_embeddings: int = Field(
         default=1024, ge=8, description="Longest sequence the embedded policy accepts."
     )
+    number_digits: int = Field(
+        default=3,
+        ge=1,
+        le=3,
+        description="Digits per number piece of the embedded tokenizer: 3 = every number below 1000 is one token (as GPT-4's and Llama 3's tokenizers chunk numbers), 1 = one token per digit (as Qwen2.5's and Llama 2's). With 3, a number that appears in no demonstration is a token the policy has never written, and the tasks that need it stay unsolved by any learning from its own successes (docs/results.md, 'How far imitation goes').",
+    )
 
     @model_validator(mode="after")
     def _head_dim(self) -> TinyModelConfig:

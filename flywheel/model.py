@@ -41,6 +41,14 @@ SPECIAL_TOKENS = [PAD, UNK, "<|user|>", "<|assistant|>", "<|system|>", END]
 # [0-9] rather than \d: the regex engine's \d also matches non-ASCII digits.
 PIECE_PATTERN = r"</?[a-z_]+>|[0-9]{1,3}| ?[A-Za-z_]+|[\s\S]"
 
+
+def piece_pattern(number_digits: int = 3) -> str:
+    """PIECE_PATTERN with numbers cut into groups of at most ``number_digits`` digits."""
+    if not 1 <= number_digits <= 3:
+        raise ValueError(f"number_digits must be 1, 2 or 3, got {number_digits}")
+    return PIECE_PATTERN.replace("{1,3}", f"{{1,{number_digits}}}")
+
+
 # Every message is `<|role|>content<|end|>\n`; the generation prompt is `<|assistant|>`, so the
 # model's turn ends with the eos token and the engine can stop on it.
 CHAT_TEMPLATE = (
@@ -51,20 +59,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def _base_vocabulary() -> list[str]:
+def _base_vocabulary(number_digits: int = 3) -> list[str]:
     """Pieces every tokenizer knows whatever the corpus: special tokens, printable ASCII and all
-    digit groups (with leading zeros, so that any number round-trips)."""
+    digit groups up to ``number_digits`` wide (with leading zeros, so that any number
+    round-trips)."""
     pieces = list(SPECIAL_TOKENS)
     pieces += [chr(i) for i in range(32, 127)] + ["\n", "\t", "\r"]
-    for width in (1, 2, 3):
+    for width in range(1, number_digits + 1):
         pieces += [str(i).zfill(width) for i in range(10**width)]
     return list(dict.fromkeys(pieces))  # drops the single digits seen twice, keeps order
 
 
-def train_tokenizer(texts: Iterable[str], *, min_frequency: int = 1) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], *, min_frequency: int = 1, number_digits: int = 3
+) -> PreTrainedTokenizerFast:
     """A word-level tokenizer whose vocabulary is the base pieces plus every piece of ``texts``
-    seen at least ``min_frequency`` times. Deterministic: same texts, same ids."""
-    pre_tokenizer = pre_tokenizers.Split(Regex(PIECE_PATTERN), behavior="isolated")
+    seen at least ``min_frequency`` times, numbers cut into groups of at most ``number_digits``
+    digits. Deterministic: same texts, same ids."""
+    pattern = piece_pattern(number_digits)
+    pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     counts: Counter[str] = Counter()
     for text in texts:
         counts.update(piece for piece, _ in pre_tokenizer.pre_tokenize_str(text))
@@ -78,7 +91,7 @@ def train_tokenizer(texts: Iterable[str], *, min_frequency: int = 1) -> PreTrain
     for word, n in words.items():
         counts[word] = counts[" " + word] = n
 
-    pieces = _base_vocabulary()
+    pieces = _base_vocabulary(number_digits)
     known = set(pieces)
     # Most frequent first, ties by text, so the ids do not depend on the order of the corpus.
     extra = sorted(

@@ -25,7 +25,11 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
     whether the tokenizer also learns the revision turns splice writes (rounds with mcts: the
     envs' no-op actions those turns end with) and the envs' reflection hints (rounds with
     reflect: the hints themselves)."""
-    config: dict[str, Any] = {"model": cfg.model.model_dump(), "seed": cfg.train_seed}
+    # number_digits is hashed only when not 3, so the ids from before the field stay the same.
+    model = cfg.model.model_dump(
+        exclude={"tiny": {"number_digits"}} if cfg.model.tiny.number_digits == 3 else None
+    )
+    config: dict[str, Any] = {"model": model, "seed": cfg.train_seed}
     if _revises(cfg):
         config["revision_noops"] = _noops(cfg)
     if _reflects(cfg):
@@ -85,8 +89,8 @@ def run(
             texts += [revision_turn(t, noop) for noop in _noops(cfg) for t in REVISION_THOUGHTS]
         if _reflects(cfg):  # the hints that open reflect's hinted turns
             texts += [hint for hints in _hints(cfg).values() for hint in hints]
-        tokenizer = train_tokenizer(texts)
         tiny = cfg.model.tiny
+        tokenizer = train_tokenizer(texts, number_digits=tiny.number_digits)
         model = build_tiny_model(
             tokenizer,
             hidden_size=tiny.hidden_size,

@@ -58,6 +58,23 @@ def test_vocabulary_and_special_tokens(tokenizer):
     assert pieces(tokenizer, "has") == ["has"] and pieces(tokenizer, " has") == [" has"]
 
 
+def test_numbers_cut_into_single_digits_with_number_digits_1(tmp_path):
+    """number_digits=1: every number is its digits (no 2- or 3-digit pieces in the vocabulary),
+    decoding stays lossless, and a saved tokenizer loads with the same cut."""
+    texts = ["There are 122 pencils.", "<python>print(122 * 4)</python>", "<answer>1</answer>"]
+    one = train_tokenizer(texts, number_digits=1)
+    assert pieces(one, "<answer>488</answer>") == ["<answer>", "4", "8", "8", "</answer>"]
+    assert pieces(one, "12345") == ["1", "2", "3", "4", "5"]
+    vocab = one.get_vocab()
+    assert all(str(i) in vocab for i in range(10)) and "12" not in vocab and "122" not in vocab
+    text = "<python>print(1000000 - 007)</python>"
+    assert one.decode(one.encode(text, add_special_tokens=False)) == text
+    one.save_pretrained(tmp_path)
+    assert pieces(AutoTokenizer.from_pretrained(tmp_path), "699") == ["6", "9", "9"]
+    with pytest.raises(ValueError, match="number_digits must be 1, 2 or 3"):
+        train_tokenizer(["a"], number_digits=4)
+
+
 def test_training_is_deterministic():
     a = train_tokenizer(["b a c a", "c"]).get_vocab()
     b = train_tokenizer(["c", "a c a b"]).get_vocab()

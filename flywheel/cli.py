@@ -6,6 +6,7 @@
     flywheel report [--json | --html [PATH]]
     flywheel show ID [--task T] [--failed] [--source S] [--limit N]  # episodes of an artifact
     flywheel credit EXPLORE_ID [--no-greedy]  # where GRPO's signal lands (flywheel/credit.py)
+    flywheel coverage EXPLORE_ID              # tasks whose solution needs a token no demonstration writes
     flywheel config [--fields | --reference]
     flywheel import FILE --format eto|agentgym|openai --env NAME [--split S]  # a trajectories artifact
     flywheel export ID --format eto|agentgym|openai|trl [--out FILE] [--success-only]
@@ -329,6 +330,15 @@ def _parser() -> argparse.ArgumentParser:
     cr.add_argument("--config")
     cr.add_argument("overrides", nargs="*")
 
+    cv = sub.add_parser(
+        "coverage",
+        help="what imitating its own successes cannot teach: explored tasks grouped by how often "
+        "the demonstrations write the rarest token of the oracle's solution",
+    )
+    cv.add_argument("id", type=_plain, help="an explore artifact")
+    cv.add_argument("--config")
+    cv.add_argument("overrides", nargs="*")
+
     cfg = sub.add_parser("config", help="print the resolved config")
     cfg.add_argument("--config")
     cfg.add_argument("--fields", action="store_true", help="list every key with its help text")
@@ -588,6 +598,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         cfg = load_config(_config_path(args.config), args.overrides)
         store = Store(cfg.run.store_root(), cfg.run.name)
         print(credit_report(cfg, store, args.id, greedy=not args.no_greedy))
+        return 0
+    if args.command == "coverage":
+        from flywheel.config import load_config
+        from flywheel.coverage import coverage_report
+        from flywheel.store import Store
+
+        cfg = load_config(_config_path(args.config), args.overrides)
+        store = Store(cfg.run.store_root(), cfg.run.name)
+        print(coverage_report(cfg, store, args.id))
         return 0
     if args.command == "config":
         from flywheel.config import config_reference, dump_config, field_help, load_config

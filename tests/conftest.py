@@ -161,3 +161,13 @@ def tiny_flywheel(tmp_path_factory) -> FlywheelRun:
     cfg = load_config(None, overrides)
     ids = {ref.id for ref in Store(cfg.run.store_root(), cfg.run.name).list()}
     return FlywheelRun(root, overrides, printed, seconds, rows, ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_cli(tiny_flywheel, tmp_path_factory) -> tuple[Path, Store, set[str]]:
+    """For CLI commands on the tiny flywheel's artifacts: its config as a YAML file, its store
+    and the ids the run itself wrote (other tests add versions to the shared store)."""
+    path = tmp_path_factory.mktemp("cli") / "tiny.yaml"
+    path.write_text(dump_config(load_config(None, tiny_flywheel.overrides)))
+    cfg = load_config(path)
+    return path, Store(cfg.run.store_root(), cfg.run.name), tiny_flywheel.artifacts

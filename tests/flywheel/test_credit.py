@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from flywheel.cli import main
-from flywheel.config import dump_config, load_config
 from flywheel.credit import (
     AFTER,
     DEPARTURE,
@@ -24,7 +23,6 @@ from flywheel.credit import (
     greedy_share,
     measure,
 )
-from flywheel.store import Store
 from flywheel.training.losses import group_advantages
 
 G = ("arith", "t0")
@@ -103,11 +101,8 @@ def test_greedy_share_asks_whether_the_policy_itself_leaves_the_oracle_there():
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_flywheel, tmp_path_factory):
-    path = tmp_path_factory.mktemp("credit") / "tiny.yaml"
-    path.write_text(dump_config(load_config(None, tiny_flywheel.overrides)))
-    cfg = load_config(path)
-    return path, Store(cfg.run.store_root(), cfg.run.name), tiny_flywheel.artifacts
+def tiny(tiny_cli):
+    return tiny_cli
 
 
 def credit(capsys, tiny, stage: str, round: int):

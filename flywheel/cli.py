@@ -7,6 +7,7 @@
     flywheel show ID [--task T] [--failed] [--source S] [--limit N]  # episodes of an artifact
     flywheel credit EXPLORE_ID [--no-greedy]  # where GRPO's signal lands (flywheel/credit.py)
     flywheel coverage EXPLORE_ID              # tasks whose solution needs a token no demonstration writes
+    flywheel compare EVAL_A EVAL_B            # paired gain of one evaluated policy over another
     flywheel config [--fields | --reference]
     flywheel import FILE --format eto|agentgym|openai --env NAME [--split S]  # a trajectories artifact
     flywheel export ID --format eto|agentgym|openai|trl [--out FILE] [--success-only]
@@ -330,6 +331,16 @@ def _parser() -> argparse.ArgumentParser:
     cr.add_argument("--config")
     cr.add_argument("overrides", nargs="*")
 
+    cp = sub.add_parser(
+        "compare",
+        help="two eval artifacts (any rounds or runs of the store): success of each and the "
+        "paired gain of the first over the second",
+    )
+    cp.add_argument("a", type=_plain, help="an eval artifact")
+    cp.add_argument("b", type=_plain, help="another eval artifact")
+    cp.add_argument("--config")
+    cp.add_argument("overrides", nargs="*")
+
     cv = sub.add_parser(
         "coverage",
         help="what imitating its own successes cannot teach: explored tasks grouped by how often "
@@ -598,6 +609,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         cfg = load_config(_config_path(args.config), args.overrides)
         store = Store(cfg.run.store_root(), cfg.run.name)
         print(credit_report(cfg, store, args.id, greedy=not args.no_greedy))
+        return 0
+    if args.command == "compare":
+        from flywheel.config import load_config
+        from flywheel.report import compare
+        from flywheel.store import Store
+
+        cfg = load_config(_config_path(args.config), args.overrides)
+        print(compare(Store(cfg.run.store_root(), cfg.run.name), args.a, args.b))
         return 0
     if args.command == "coverage":
         from flywheel.config import load_config

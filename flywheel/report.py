@@ -221,3 +221,28 @@ def _gain_line(row: dict[str, Any]) -> str:
                 f"vs {g['over']:<8} {100 * g['gain']:+5.1f} ± {100 * g['se']:.1f}{mark}{pair}"
             )
     return f"  round {row['round']} {row['policy']:<5} {row['env']:<8} " + "   ".join(parts)
+
+
+def compare(store: Store, a_id: str, b_id: str) -> str:
+    """``flywheel compare A B``: two eval artifacts of any rounds or runs of a store, each env's
+    success of both and the paired gain of A over B on the tasks both ran (± its standard
+    error, * / ! beyond two above / below)."""
+    refs = [store.get(i) for i in (a_id, b_id)]
+    for ref in refs:
+        if ref.kind != "eval":
+            raise ValueError(f"{ref.id} is a {ref.kind} artifact; compare reads eval artifacts")
+    a, b = (read_outcomes(store, ref) for ref in refs)
+    lines = [f"{a_id} (A) against {b_id} (B), paired over the tasks both ran:"]
+    for env in sorted({k[0] for k in a} | {k[0] for k in b}):
+        keys = sorted(k for k in a if k[0] == env and k in b)
+        if not keys:
+            raise ValueError(f"{a_id} and {b_id} ran no task of env {env!r} in common")
+        xa, xb = [a[k] for k in keys], [b[k] for k in keys]
+        ra, rb = sum(xa) / len(keys), sum(xb) / len(keys)
+        gain, se = ra - rb, paired_standard_error(xa, xb)
+        mark = "*" if gain > 2 * se else "!" if gain < -2 * se else " "
+        lines.append(
+            f"  {env:<8} {len(keys):>5} tasks   A {100 * ra:5.1f}%   B {100 * rb:5.1f}%   "
+            f"A - B {100 * gain:+5.1f} ± {100 * se:.1f}{mark}"
+        )
+    return "\n".join(lines)

@@ -1,5 +1,6 @@
 """flywheel/coverage.py: tasks grouped by the rarest token of the oracle's solution on hand-made
-counts, and ``flywheel coverage`` on the shared tiny flywheel's explore artifact."""
+counts, ``flywheel coverage`` on the shared tiny flywheel's explore artifact, and ``flywheel
+compare`` (flywheel/report.py) on its evaluations."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from flywheel.cli import main
 from flywheel.coverage import BUCKETS, bucket_of, group_tasks, rarest, token_counts
+from flywheel.report import paired_standard_error
 
 
 def test_buckets_cover_every_count_once():
@@ -67,3 +69,29 @@ def test_coverage_refuses_an_artifact_that_is_not_an_exploration(tiny, capsys):
     assert main(["coverage", "--config", str(path), sft.id]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"flywheel: error: {sft.id} is a sft artifact; coverage reads an explore artifact"
+
+
+@pytest.mark.slow  # the shared tiny flywheel run
+def test_compare_gives_the_paired_gain_of_two_evaluations(tiny, capsys):
+    """``flywheel compare`` on the tiny run's evaluations of round 1 and of the SFT policy."""
+    path, store, made = tiny
+    (r0,) = [r for r in store.list(round=0, stage="evaluate") if r.id in made and
+             r.inputs[0].startswith("sft-")]  # fmt: skip
+    (r1,) = [r for r in store.list(round=1, stage="evaluate") if r.id in made and
+             not r.inputs[0].startswith(("sft_more-", "rft-"))]  # fmt: skip
+    capsys.readouterr()
+    assert main(["compare", "--config", str(path), r1.id, r0.id]) == 0
+    out = capsys.readouterr().out
+    a = {(x["env"], x["task_id"]): float(x["success"]) for x in store.read(r1).to_pylist()}
+    b = {(x["env"], x["task_id"]): float(x["success"]) for x in store.read(r0).to_pylist()}
+    keys = sorted(a)
+    xa, xb = [a[k] for k in keys], [b[k] for k in keys]
+    gain = 100 * (sum(xa) - sum(xb)) / len(keys)
+    se = 100 * paired_standard_error(xa, xb)
+    assert f"{r1.id} (A) against {r0.id} (B)" in out
+    assert f"arith        {len(keys)} tasks" in out
+    assert f"A {100 * r1.summary['arith/success_rate']:5.1f}%" in out
+    assert f"A - B {gain:+5.1f} ± {se:.1f}" in out
+    assert main(["compare", "--config", str(path), r1.id, r1.inputs[0]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("is a checkpoints artifact; compare reads eval artifacts")

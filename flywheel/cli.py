@@ -333,8 +333,8 @@ def _parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser(
         "compare",
-        help="two eval artifacts (any rounds or runs of the store): success of each and the "
-        "paired gain of the first over the second",
+        help="two eval artifacts of the run (any rounds, baselines or reruns): success of each "
+        "and the paired gain of the first over the second",
     )
     cp.add_argument("a", type=_plain, help="an eval artifact")
     cp.add_argument("b", type=_plain, help="another eval artifact")
@@ -611,12 +611,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(credit_report(cfg, store, args.id, greedy=not args.no_greedy))
         return 0
     if args.command == "compare":
-        from flywheel.config import load_config
         from flywheel.report import compare
-        from flywheel.store import Store
 
-        cfg = load_config(_config_path(args.config), args.overrides)
-        print(compare(Store(cfg.run.store_root(), cfg.run.name), args.a, args.b))
+        print(compare(_store(args.config, args.overrides), args.a, args.b))
         return 0
     if args.command == "coverage":
         from flywheel.config import load_config

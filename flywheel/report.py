@@ -224,9 +224,10 @@ def _gain_line(row: dict[str, Any]) -> str:
 
 
 def compare(store: Store, a_id: str, b_id: str) -> str:
-    """``flywheel compare A B``: two eval artifacts of any rounds or runs of a store, each env's
-    success of both and the paired gain of A over B on the tasks both ran (± its standard
-    error, * / ! beyond two above / below)."""
+    """``flywheel compare A B``: two eval artifacts of a run's store (any rounds, baselines or
+    versions, which the report does not set side by side), each env's success of both and the
+    paired gain of A over B on the tasks both ran (± its standard error, * / ! beyond two above
+    / below)."""
     refs = [store.get(i) for i in (a_id, b_id)]
     for ref in refs:
         if ref.kind != "eval":

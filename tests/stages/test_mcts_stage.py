@@ -660,3 +660,29 @@ def test_recovery_counts_failed_actions_by_replay(boot):
     metrics = summarize(frame)["craft"]
     assert metrics["failed_episodes"] == 2 and metrics["recovery_rate"] == 0.5
     assert "recovery_rate" not in summarize(frame.drop("failed_actions"))["craft"]
+
+
+@pytest.mark.slow  # a tiny flywheel round through the flow
+def test_the_round_hands_its_exploration_to_an_unsolved_search(tmp_path):
+    """The flow passes the round's explore artifact to mcts with tasks=unsolved: the trees are
+    searched on the explored tasks no sample solved, and the splice writes good paths only."""
+    from flows.flywheel import _plan, _walk
+
+    overrides = tiny_overrides(
+        tmp_path, "iteration.data=[explore, mcts]", "iteration.steps=[sft]", "baselines=[]",
+        "mcts.tasks=unsolved", "splice.revisions=false", "mcts.iterations=2", "mcts.n_gen=2",
+        "mcts.max_depth=3",
+    )  # fmt: skip
+    plan = _plan(None, overrides)
+    with contextlib.redirect_stdout(io.StringIO()):
+        _walk(plan, rounds=1)
+    store = plan.store
+    (explore,) = store.list(round=1, stage="explore")
+    (trees,) = store.list(round=1, stage="mcts")
+    (spliced,) = store.list(round=1, stage="splice")
+    assert trees.inputs[-1] == explore.id
+    rows = store.read(explore, columns=["task_id", "success"]).to_pylist()
+    unsolved = {r["task_id"] for r in rows} - {r["task_id"] for r in rows if r["success"]}
+    searched = {r["task_id"] for r in store.read(trees, columns=["task_id"]).to_pylist()}
+    assert searched == unsolved
+    assert all(r["source"] == "mcts" for r in store.read(spliced).to_pylist())

@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -82,11 +83,23 @@ REFERENCES = ("init", *BASELINES)  # evaluated policies drawn as flat lines, not
 PARENT_TAG = "mlflow.parentRunId"
 
 
+def _environ(environ: Mapping[str, str] = os.environ, tries: int = 10) -> dict[str, str]:
+    """A copy of the environment variables. MLflow's telemetry thread sets and deletes one
+    (``_MLFLOW_TELEMETRY_SESSION_ID``) while a run logs, and a key deleted between listing the
+    keys and reading its value raises ``KeyError`` mid-copy; copying again gets a consistent one."""
+    for _ in range(tries - 1):
+        try:
+            return dict(environ)
+        except (KeyError, RuntimeError):  # RuntimeError: the dict changed size while copied
+            continue
+    return dict(environ)
+
+
 def redact(text: str) -> str:
     """``text`` with URL passwords and the values of secret-named environment variables masked
     (values shorter than 6 characters are too common to mask without hiding ordinary text)."""
     text = _URL_PASSWORD.sub(lambda m: f"{m['head']}{MASK}@", text)
-    for name, value in os.environ.items():
+    for name, value in _environ().items():
         if len(value) >= 6 and SECRET_NAME.search(name) and value in text:
             text = text.replace(value, MASK)
     return text

@@ -11,13 +11,14 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 import flywheel.serve
 from flywheel.cli import _parser
-from flywheel.tracking import Tracker, redact
+from flywheel.tracking import Tracker, _environ, redact
 from tests.conftest import write_tiny_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,3 +133,29 @@ def test_training_listens_on_loopback_only():
     assert done.returncode == 0, done.stderr[-2000:]
     found = done.stdout.strip().splitlines()[-1].split()  # DeepSpeed may print before it
     assert found and loopback_only(found), found
+
+
+class _VanishingEnviron(Mapping[str, str]):
+    """An environment from which another thread deletes a variable while the first copy reads
+    it: its first listing names a key that is gone by the time its value is read."""
+
+    def __init__(self, data: dict[str, str]) -> None:
+        self.data, self.listings = data, 0
+
+    def __iter__(self) -> Iterator[str]:
+        self.listings += 1
+        return iter([*self.data, "_GONE_MID_COPY"] if self.listings == 1 else list(self.data))
+
+    def __getitem__(self, name: str) -> str:
+        return self.data[name]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def test_the_environment_is_copied_again_when_a_variable_vanishes_mid_copy():
+    # MLflow's telemetry thread deletes _MLFLOW_TELEMETRY_SESSION_ID during a run; a KeyError
+    # from reading os.environ once stopped a run at its first logged stage (redact reads it).
+    environ = _VanishingEnviron({"HF_TOKEN": "hf_0123456789", "HOME": "/home/user"})
+    assert _environ(environ) == {"HF_TOKEN": "hf_0123456789", "HOME": "/home/user"}
+    assert environ.listings == 2

@@ -125,7 +125,7 @@ def test_artifact_configs_isolate_sections():
         ("explore.temperature=0.7", {"explore"}),
         ("reflect.max_evolve_times=2", {"reflect"}),
         ("model.tiny.hidden_size=64", {"init"}),
-        ("model.tiny.number_digits=1", {"init"}),
+        ("model.tiny.number_digits=3", {"init"}),
         ("mcts.tasks=unsolved", {"mcts"}),
         ("splice.revisions=false", {"splice"}),
         # a baseline's own seed retrains that baseline only
@@ -139,7 +139,8 @@ def test_artifact_configs_isolate_sections():
         other = configs([override])
         assert {n for n in base if base[n] != other[n]} == changed, override
     # fields added later are hashed only when set off their default: older ids stay
-    assert "number_digits" not in base["init"]["model"]["tiny"]
+    assert "number_digits" not in configs(["model.tiny.number_digits=3"])["init"]["model"]["tiny"]
+    assert base["init"]["model"]["tiny"]["number_digits"] == 1  # the default yaml's setting
     assert "tasks" not in base["mcts"]["mcts"] and "revisions" not in base["splice"]["splice"]
     # a training seed or baseline seed equal to the one it replaces keeps every id
     assert configs(["run.train_seed=0"]) == base

@@ -14,7 +14,8 @@ a sandboxed Python tool and answers::
 
 Every operand, intermediate and answer is an integer in 0..999 (one token each for the embedded
 tokenizer with ``model.tiny.number_digits: 3``, a token per digit with 1, the default config's)
-and the vocabulary stays at a few hundred words, so a tiny word-level policy can read it. Prompts are split by a hash of their text, so train, val and test never share a prompt.
+and the vocabulary stays at a few hundred words, so a tiny word-level policy can read it.
+Prompts are split by a hash of their text, so train, val and test never share a prompt.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@
     flywheel retriever serve INDEX [--host 127.0.0.1] [--port 8100]  # an index artifact over HTTP
 
 Without ``--config`` it reads ``configs/default.yaml`` when the current folder has one (the
-checkout), else the built-in defaults (``run`` and ``stage`` then say so in one note on stderr).
+checkout), else the built-in defaults.
 
 Every input is checked before any work starts, and a refused command writes nothing: the
 config (types, ranges, duplicate YAML keys), the command-line arguments, every env (built with
@@ -504,8 +504,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         # A bad input is a one-line error here; inside the flow Prefect would first log a
         # traceback (and start its server, ~15 s) before the error reached us.
-        path = _config_path(args.config)
-        cfg = load_config(path, args.overrides)
+        cfg = load_config(_config_path(args.config), args.overrides)
         if args.command == "run":
             explores = (args.rounds if args.rounds is not None else cfg.run.rounds) > 0
         else:
@@ -528,14 +527,6 @@ def _dispatch(args: argparse.Namespace) -> int:
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
             raise
-        if path is None:
-            # The built-in defaults are not the demo's yaml (another tokenizer, lr and env
-            # options): a run started outside the checkout by mistake would go unnoticed.
-            print(
-                f"flywheel: note: no --config and no {DEFAULT_CONFIG} in {Path.cwd()}: "
-                "running on the built-in defaults",
-                file=sys.stderr,
-            )
     if args.command == "run":
         from flows.flywheel import flywheel_flow
 

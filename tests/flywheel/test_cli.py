@@ -66,27 +66,6 @@ def test_unknown_override_key_is_one_line_and_starts_nothing(tmp_path, capsys, m
     assert folders(tmp_path) == before  # no work/ folder, no store, no Prefect database
 
 
-def test_a_run_without_a_config_says_it_runs_on_the_built_in_defaults(
-    tmp_path, capsys, monkeypatch
-):
-    """Outside the checkout (no configs/default.yaml) a run works, on the built-in defaults, and
-    says so once on stderr; with --config it says nothing."""
-    import flows.flywheel
-
-    calls = []
-    monkeypatch.setattr(flows.flywheel, "stage_flow", lambda **kw: calls.append(kw) or "tasks-x")
-    monkeypatch.chdir(tmp_path)
-    rc, out, err = run_cli(capsys, "stage", "tasks", "--round", "0")
-    assert (rc, out) == (0, "tasks-x\n") and calls[0]["config"] is None
-    assert err.splitlines() == [
-        f"flywheel: note: no --config and no configs/default.yaml in {tmp_path}: "
-        "running on the built-in defaults"
-    ]
-    path = write_tiny_yaml(tmp_path)
-    rc, out, err = run_cli(capsys, "stage", "tasks", "--round", "0", "--config", str(path))
-    assert (rc, err) == (0, "") and calls[1]["config"] == str(path)
-
-
 def test_overrides_may_follow_options():
     from flywheel.cli import _parse
 

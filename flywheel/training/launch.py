@@ -299,6 +299,11 @@ def main(argv: list[str] | None = None) -> None:
         tmp = folder / (RESULT + ".tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(result)))
         os.replace(tmp, folder / RESULT)  # run_training never reads half a result
+    # Leave the group together and on purpose: a rank that exits with the gloo group still up
+    # can abort in its communication threads' destructors ("terminate called without an active
+    # exception", exit -6) while the other rank still talks to it, failing a finished run.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

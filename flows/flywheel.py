@@ -292,6 +292,10 @@ def _walk(plan: Plan, rounds: int, with_baselines: bool = True) -> StageResult |
 
 def _plan(config: str | None, overrides: list[str], **kw) -> Plan:
     cfg = load_config(config, overrides)
+    # The built-in defaults are not the demo's yaml (another lr, env options, tokenizer): a run
+    # started outside the checkout by mistake would otherwise go unnoticed.
+    source = config or "the built-in defaults (no config file)"
+    say(f"config: {source}" + (f" with {' '.join(overrides)}" if overrides else ""))
     store = Store(cfg.run.store_root(), cfg.run.name)
     tracker = Tracker(cfg.tracking_uri(), cfg.tracking.experiment, enabled=cfg.tracking.enabled)
     return Plan(cfg=cfg, store=store, tracker=tracker, **kw)

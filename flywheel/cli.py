@@ -16,7 +16,8 @@
     flywheel retriever serve INDEX [--host 127.0.0.1] [--port 8100]  # an index artifact over HTTP
 
 Without ``--config`` it reads ``configs/default.yaml`` when the current folder has one (the
-checkout), else the built-in defaults.
+checkout), else the built-in defaults; ``run`` and ``stage`` first print which (``config: ...``
+and the overrides), since the built-in defaults are not the demo's yaml.
 
 Every input is checked before any work starts, and a refused command writes nothing: the
 config (types, ranges, duplicate YAML keys), the command-line arguments, every env (built with

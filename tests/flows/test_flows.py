@@ -39,6 +39,11 @@ def test_first_run_runs_every_stage(tiny_flywheel):
     steps = cfg.iteration.steps
     assert set(steps) <= set(round1), f"round 1 ran {round1}, configured steps {steps}"
     assert {r for r, *_ in lines} == {0, 1}
+    # the run says which config it read: here no file, the built-in defaults and the overrides
+    said = [line for line in tiny_flywheel.printed.splitlines() if line.startswith("config: ")]
+    assert said == [
+        "config: the built-in defaults (no config file) with " + " ".join(tiny_flywheel.overrides)
+    ]
     assert not [line for line in lines if line[2]], "a stage was a cache hit on the first run"
     # every artifact in the store was announced, and every announced one is in the store
     assert tiny_flywheel.artifacts == {art_id for *_, art_id in lines}
@@ -139,6 +144,7 @@ def test_stage_flow_force_writes_one_new_version_and_stops(tiny_flywheel, tmp_pa
     with contextlib.redirect_stdout(out):
         new_id = stage_flow("sft", round=0, overrides=overrides, force=True)
     assert new_id == sft_id + ".2"
+    assert out.getvalue().startswith("config: the built-in defaults (no config file) with ")
     lines = stage_lines(out.getvalue())
     assert [s for _, s, _, _ in lines] == BOOTSTRAP[:-1]
     assert all(hit for _, s, hit, _ in lines if s != "sft")

@@ -410,6 +410,17 @@ class SftConfig(TrainSection):
         default="success",
         description="Validation signal of the SFT steps of rounds >= 1 (round 0 uses val_metric): the loss on demonstrations rises as soon as the policy learns its own successes' wording, whether or not it gets better.",
     )
+    round_patience: int | None = Field(
+        default=None,
+        ge=1,
+        description="Patience of the SFT steps of rounds >= 1 (null: patience). Their greedy val success moves a few points between validations, as rft's does: compare rounds and rft at the same patience.",
+    )
+
+    def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
+        """As for any training section; ``round_patience`` only when set, so runs from before
+        the field keep their ids."""
+        skip = {"round_patience"} if self.round_patience is None else set()
+        return super().artifact_dump(skip | (exclude or set()))
 
 
 class BaselineSection(TrainSection):

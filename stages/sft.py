@@ -36,17 +36,19 @@ from flywheel.trajectory import Trajectory
 from stages._common import validation, validation_config, validation_inputs
 
 # Read by the SFT steps of rounds >= 1 only.
-ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr"}
+ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr", "round_patience"}
 
 
 def section(cfg: Config, round: int) -> SftConfig:
     """The sft section as round ``round`` trains with it: rounds >= 1 validate by
-    round_val_metric and train at round_lr (when set)."""
+    round_val_metric and train at round_lr and stop at round_patience (when set)."""
     if round == 0:
         return cfg.sft
     update: dict[str, Any] = {"val_metric": cfg.sft.round_val_metric}
     if cfg.sft.round_lr is not None:
         update["lr"] = cfg.sft.round_lr
+    if cfg.sft.round_patience is not None:
+        update["patience"] = cfg.sft.round_patience
     return cfg.sft.model_copy(update=update)
 
 

@@ -116,6 +116,7 @@ def test_artifact_configs_isolate_sections():
         ("evaluate.temperature=0.5", {"evaluate"}),
         ("sft.lr=0.002", {"sft"}),
         ("sft.with_expert=true", {"sft"}),  # its round >= 1 id only (below)
+        ("sft.round_patience=10", {"sft"}),  # its round >= 1 id only (below)
         ("sft_more.lr=0.001", {"sft_more"}),
         ("rft.per_task=2", {"rft"}),
         ("dpo.beta=[0.2]", {"dpo"}),
@@ -151,3 +152,22 @@ def test_artifact_configs_isolate_sections():
     assert configs(["sft.with_expert=true"])["sft"][0] == base["sft"][0]
     assert configs(["sft.round_val_metric=loss"])["sft"][0] == base["sft"][0]
     assert configs(["sft.round_val_metric=loss"])["sft"][1] != base["sft"][1]
+    # round_patience: a new field, hashed only when set, and only by the rounds' SFT steps
+    patient = configs(["sft.round_patience=10"])["sft"]
+    assert patient[0] == base["sft"][0] and patient[1] != base["sft"][1]
+    assert "round_patience" not in base["sft"][1]["sft"]
+
+
+def test_round_sft_steps_take_their_own_lr_and_patience():
+    """The rounds' SFT steps train at round_lr and stop at round_patience; round 0 keeps lr and
+    patience; unset, the rounds use them too."""
+    from stages.sft import section
+
+    cfg = load_config(
+        "configs/default.yaml", ["sft.round_lr=3e-4", "sft.round_patience=10", "sft.patience=4"]
+    )
+    assert (section(cfg, 0).lr, section(cfg, 0).patience) == (cfg.sft.lr, 4)
+    assert (section(cfg, 1).lr, section(cfg, 1).patience) == (3e-4, 10)
+    assert section(cfg, 2).val_metric == "success"
+    plain = load_config("configs/default.yaml", ["sft.patience=6"])
+    assert (section(plain, 1).lr, section(plain, 1).patience) == (plain.sft.lr, 6)

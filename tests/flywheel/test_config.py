@@ -56,6 +56,9 @@ def test_bad_values_and_files(tmp_path):
         load_config(None, ["grpo.expert_weight=1"])
     with pytest.raises(ConfigError, match="grpo.expert_ratio"):
         load_config(None, ["grpo.expert_ratio=0"])
+    # null falls back to sft.patience; 0 would stop a round's SFT at its first validation
+    with pytest.raises(ConfigError, match=r"sft\.round_patience"):
+        load_config(None, ["sft.round_patience=0"])
 
 
 def test_duplicate_yaml_keys_are_refused_but_merge_keys_work(tmp_path):

@@ -8,8 +8,10 @@ transformers and DeepSpeed): 15-20 s on 2 busy cores, most of it the ranks' impo
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import stages.sft_more
 from flywheel.config import Config, ConfigError, TrainSection, load_config
 from flywheel.training import launch
 from flywheel.training.launch import launch_command, rank_count, run_training
-from flywheel.training.loop import deepspeed_config, validation_loss
+from flywheel.training.loop import TrainResult, deepspeed_config, validation_loss
 from tests.flywheel.training.test_loop import counting, saved_params, tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -156,6 +158,45 @@ def val_loss(examples: list[dict]) -> launch.Validate:
         return {"score": -value, "val_loss": value}
 
     return validate
+
+
+def test_a_rank_writes_its_result_then_leaves_the_group_with_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that exits with the gloo group still up can abort in the group's threads
+    ("terminate called without an active exception", exit -6) and fail a finished run: each
+    rank waits for the others, then destroys the group, after rank 0 has written its result."""
+    import torch.distributed as dist
+
+    start = tmp_path / "start"
+    tiny_model().save_pretrained(start)
+    folder = launch.write_spec(
+        tmp_path / "launch", counting(4), model_dir=start, loss="sft", cfg=TrainSection(),
+        out_dir=tmp_path / "out", seed=0, params=launch.LossParams(), reference=False,
+        validation=None, max_tokens=None, log_every=0,
+    )  # fmt: skip
+    calls: list[str] = []
+    result = TrainResult(steps=3, final_loss=0.5, history=[], train_time_s=0.1)
+
+    def fake_train(*args: object, **kwargs: object) -> TrainResult:
+        calls.append("train")
+        return result
+
+    def record(name: str) -> Callable[[], None]:
+        def call() -> None:
+            # rank 0's result is on disk before the group goes
+            assert (folder / launch.RESULT).is_file()
+            calls.append(name)
+
+        return call
+
+    monkeypatch.setattr(launch, "train", fake_train)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "barrier", record("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", record("destroy"))
+    launch.main([str(folder)])
+    assert calls == ["train", "barrier", "destroy"]
+    assert json.loads((folder / launch.RESULT).read_text())["steps"] == 3
 
 
 @pytest.mark.integration

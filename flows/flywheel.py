@@ -188,6 +188,7 @@ class RoundResult:
     trained: list[ArtifactRef]  # the checkpoint of every training step, in order
     spliced: ArtifactRef | None = None  # revisions and good paths, with mcts in iteration.data
     reflected: ArtifactRef | None = None  # hinted revisions, with reflect in iteration.data
+    resampled: ArtifactRef | None = None  # grpo's own explore, with grpo.resample after a step
 
 
 def one_round(
@@ -196,9 +197,10 @@ def one_round(
     """Round r >= 1: the round's data from pi_r (explore -> pairs and groups, and with reflect
     its failures -> hinted revisions; mcts -> trees -> revisions and good paths, as
     iteration.data says), the configured training steps (each from the previous step's
-    checkpoint), then pi_{r+1} evaluated."""
+    checkpoint), then pi_{r+1} evaluated. With grpo.resample, a grpo step after another step
+    first explores again from the policy it starts from and trains on those groups."""
     kinds = plan.cfg.iteration.data
-    explored = spliced = reflected = pairs = groups = None
+    explored = spliced = reflected = resampled = pairs = groups = None
     if "explore" in kinds:
         explored = _step(plan, "explore", round, policy, boot["train"])
         mined = _run(plan, "pareto", round, explored, boot["expert"])
@@ -210,14 +212,21 @@ def one_round(
         trees = _step(plan, "mcts", round, policy, boot["train"], explored=explored)
         spliced = _step(plan, "splice", round, trees, policy, boot["train"])
     own = [ref for ref in (explored, reflected, spliced) if ref is not None]
-    trained = []
+    trained: list[ArtifactRef] = []
     for name in plan.cfg.iteration.steps:
+        if name == "grpo" and plan.cfg.grpo.resample and trained:
+            # The round's groups were sampled before the earlier steps changed the policy:
+            # sample them again, same tasks and settings, from the policy grpo starts from.
+            resampled = _step(plan, "explore", round, policy, boot["train"])
+            mined = _run(plan, "pareto", round, resampled, boot["expert"])
+            assert isinstance(mined, tuple)
+            groups = mined[1]
         # dpo and grpo run only with explore (the config refuses them otherwise); grpo reads the
         # explore and expert artifacts only with MIX on (grpo.expert_weight > 0).
         data: dict[str, tuple[StageInput | None, ...]] = {
             "sft": (own + [boot["expert"]] if plan.cfg.sft.with_expert else own,),
             "dpo": (pairs,),
-            "grpo": (groups, explored, boot["expert"]),
+            "grpo": (groups, resampled or explored, boot["expert"]),
         }
         inputs = [x for x in data[name] if x is not None]
         assert len(inputs) == len(data[name]), f"{name} lacks its data"
@@ -226,7 +235,7 @@ def one_round(
         )
         trained.append(policy)
     _step(plan, "evaluate", round, policy, boot["test"])
-    return RoundResult(policy, explored, trained, spliced, reflected)
+    return RoundResult(policy, explored, trained, spliced, reflected, resampled)
 
 
 def baselines(
@@ -234,12 +243,13 @@ def baselines(
 ) -> None:
     """After the last round: each configured baseline trained from the SFT policy and
     evaluated on the same test tasks (sft_more with the rounds' compute, rft on their explore
-    data)."""
+    data, grpo's resampled explorations included)."""
+    explored = [ref for r in rounds for ref in (r.explored, r.resampled) if ref is not None]
     for name in plan.cfg.baselines:
         data: tuple[StageInput, ...] = (
             (boot["expert"], [ref for r in rounds for ref in r.trained])
             if name == "sft_more"
-            else ([r.explored for r in rounds if r.explored is not None], boot["expert"])
+            else (explored, boot["expert"])
         )
         ref = _step(
             plan,

@@ -647,11 +647,17 @@ class GrpoConfig(TrainSection):
         description="Which tokens of a below-average sample carry its negative advantage: every generated one (trajectory, the published rule) or those up to its departure from the better samples of its group (departure: the first token where it leaves all of them; docs/credit.md).",
     )
 
+    resample: bool = Field(
+        default=False,
+        description="Sample GRPO's groups again with the policy it starts from when an earlier step of the round changed that policy (sft in [sft, grpo]): a second explore and pareto of the round's tasks. false: train on the round's first groups, which the policy before that step sampled (docs/results.md: the step then learns from advantages that no longer fit).",
+    )
+
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
         """As for any training section; ``failure_credit`` only when it is not the published
-        rule, so runs from before the field keep their ids."""
+        rule, so runs from before the field keep their ids. ``resample`` never: it decides
+        which groups artifact the stage reads, and that artifact's id is among its inputs."""
         skip = {"failure_credit"} if self.failure_credit == "trajectory" else set()
-        return super().artifact_dump(skip | (exclude or set()))
+        return super().artifact_dump(skip | {"resample"} | (exclude or set()))
 
 
 class MctsConfig(Section):

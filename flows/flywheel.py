@@ -192,13 +192,18 @@ class RoundResult:
 
 
 def one_round(
-    plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, ArtifactRef]
+    plan: Plan,
+    round: int,
+    policy: ArtifactRef,
+    boot: dict[str, ArtifactRef],
+    earlier: list[RoundResult] | None = None,
 ) -> RoundResult:
     """Round r >= 1: the round's data from pi_r (explore -> pairs and groups, and with reflect
     its failures -> hinted revisions; mcts -> trees -> revisions and good paths, as
     iteration.data says), the configured training steps (each from the previous step's
     checkpoint), then pi_{r+1} evaluated. With grpo.resample, a grpo step after another step
-    first explores again from the policy it starts from and trains on those groups."""
+    first explores again from the policy it starts from and trains on those groups. With
+    sft.replay, the round's sft also reads the ``earlier`` rounds' explorations."""
     kinds = plan.cfg.iteration.data
     explored = spliced = reflected = resampled = pairs = groups = None
     if "explore" in kinds:
@@ -212,6 +217,8 @@ def one_round(
         trees = _step(plan, "mcts", round, policy, boot["train"], explored=explored)
         spliced = _step(plan, "splice", round, trees, policy, boot["train"])
     own = [ref for ref in (explored, reflected, spliced) if ref is not None]
+    if plan.cfg.sft.replay:
+        own += explorations(earlier or [])
     trained: list[ArtifactRef] = []
     for name in plan.cfg.iteration.steps:
         if name == "grpo" and plan.cfg.grpo.resample and trained:
@@ -238,13 +245,19 @@ def one_round(
     return RoundResult(policy, explored, trained, spliced, reflected, resampled)
 
 
+def explorations(rounds: list[RoundResult]) -> list[ArtifactRef]:
+    """Every exploration of these rounds, in order (grpo.resample's after its round's first):
+    what rft reads, and what sft.replay adds to a later round's sft."""
+    return [ref for r in rounds for ref in (r.explored, r.resampled) if ref is not None]
+
+
 def baselines(
     plan: Plan, round: int, boot: dict[str, ArtifactRef], rounds: list[RoundResult]
 ) -> None:
     """After the last round: each configured baseline trained from the SFT policy and
     evaluated on the same test tasks (sft_more with the rounds' compute, rft on their explore
     data, grpo's resampled explorations included)."""
-    explored = [ref for r in rounds for ref in (r.explored, r.resampled) if ref is not None]
+    explored = explorations(rounds)
     for name in plan.cfg.baselines:
         data: tuple[StageInput, ...] = (
             (boot["expert"], [ref for r in rounds for ref in r.trained])
@@ -289,9 +302,9 @@ def _walk(plan: Plan, rounds: int, with_baselines: bool = True) -> StageResult |
     try:
         boot = bootstrap(plan)
         policy = boot["policy"]
-        done = []
+        done: list[RoundResult] = []
         for r in range(1, rounds + 1):
-            done.append(one_round(plan, r, policy, boot))
+            done.append(one_round(plan, r, policy, boot, done))
             policy = done[-1].policy
         if with_baselines and done:
             baselines(plan, rounds, boot, done)

@@ -415,12 +415,17 @@ class SftConfig(TrainSection):
         ge=1,
         description="Patience of the SFT steps of rounds >= 1 (null: patience). Their greedy val success moves a few points between validations, as rft's does: compare rounds and rft at the same patience.",
     )
+    replay: bool = Field(
+        default=False,
+        description="In rounds >= 2, train on the successes of every earlier round's explorations too (grpo.resample's included), the data rft reads, not only this round's.",
+    )
 
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
         """As for any training section; ``round_patience`` only when set, so runs from before
-        the field keep their ids."""
+        the field keep their ids. ``replay`` never: it decides which explorations the step
+        reads, and their ids are among its inputs."""
         skip = {"round_patience"} if self.round_patience is None else set()
-        return super().artifact_dump(skip | (exclude or set()))
+        return super().artifact_dump(skip | {"replay"} | (exclude or set()))
 
 
 class BaselineSection(TrainSection):

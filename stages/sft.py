@@ -6,7 +6,8 @@ greedy success on the val tasks; ``sft.patience``; ``sft.max_steps`` caps it), a
 validated weights, so the bootstrap policy is converged without hand-tuning epochs. In later
 rounds it trains on the round's own data (``iteration.data``): the successful explored
 trajectories, and the splice stage's revision trajectories (source=revision: only the revision
-turn and the good continuation carry ``loss=true``) with the trees' good paths (source=mcts).
+turn and the good continuation carry ``loss=true``) with the trees' good paths (source=mcts);
+with ``sft.replay`` also the successes of the earlier rounds' explorations.
 Only assistant turns with ``loss=true`` are trained; sampled turns are trained on their stored
 ids. Val-split rows are never trained on.
 
@@ -36,7 +37,7 @@ from flywheel.trajectory import Trajectory
 from stages._common import validation, validation_config, validation_inputs
 
 # Read by the SFT steps of rounds >= 1 only.
-ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr", "round_patience"}
+ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr", "round_patience", "replay"}
 
 
 def section(cfg: Config, round: int) -> SftConfig:

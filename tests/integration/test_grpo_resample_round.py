@@ -64,3 +64,32 @@ def test_grpo_resample_explores_again_from_the_policy_it_starts_from(tmp_path):
     assert [hit for _, hit in lines] == [True, True, True, True, False, False, False, False]
     plain_grpo = next(ref for ref in store.list(1, "grpo") if ref.id != grpo.id)
     assert plain_grpo.inputs[:2] == [sft1.id, groups[first.id].id]
+
+
+@pytest.mark.integration
+def test_sft_replay_reads_every_earlier_exploration_as_rft_does(tmp_path):
+    overrides = tiny_overrides(
+        tmp_path, *OVERRIDES, "grpo.resample=true", "sft.replay=true", "run.rounds=2"
+    )
+    printed, _, _ = run_flywheel(overrides, rounds=2)
+    cfg = load_config(None, overrides)
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    (expert,) = store.list(0, "expert")
+    (grpo1,) = store.list(1, "grpo")
+    (sft1,) = store.list(1, "sft")
+    (sft2,) = store.list(2, "sft")
+    (rft,) = store.list(2, "rft")
+
+    def explorations(round: int, first_from: str) -> list[str]:
+        # the round's first exploration, then the one grpo.resample ran after its sft
+        refs = store.list(round, "explore")
+        return [ref.id for ref in sorted(refs, key=lambda ref: ref.inputs[0] != first_from)]
+
+    (sft0,) = store.list(0, "sft")
+    round1 = explorations(1, sft0.id)
+    round2 = explorations(2, grpo1.id)
+    assert len(round1) == len(round2) == 2, printed[-3000:]
+    # round 1 has nothing to replay; round 2's sft reads its exploration, then round 1's two
+    assert sft1.inputs[1:3] == [round1[0], expert.id]
+    assert sft2.inputs[:5] == [grpo1.id, round2[0], *round1, expert.id]
+    assert rft.inputs[1:5] == [*round1, *round2]

@@ -196,7 +196,7 @@ def one_round(
     round: int,
     policy: ArtifactRef,
     boot: dict[str, ArtifactRef],
-    earlier: list[RoundResult] | None = None,
+    earlier: list[RoundResult],
 ) -> RoundResult:
     """Round r >= 1: the round's data from pi_r (explore -> pairs and groups, and with reflect
     its failures -> hinted revisions; mcts -> trees -> revisions and good paths, as
@@ -218,7 +218,7 @@ def one_round(
         spliced = _step(plan, "splice", round, trees, policy, boot["train"])
     own = [ref for ref in (explored, reflected, spliced) if ref is not None]
     if plan.cfg.sft.replay:
-        own += explorations(earlier or [])
+        own += explorations(earlier)
     trained: list[ArtifactRef] = []
     for name in plan.cfg.iteration.steps:
         if name == "grpo" and plan.cfg.grpo.resample and trained:

@@ -75,6 +75,7 @@ def test_sft_replay_reads_every_earlier_exploration_as_rft_does(tmp_path):
     cfg = load_config(None, overrides)
     store = Store(cfg.run.store_root(), cfg.run.name)
     (expert,) = store.list(0, "expert")
+    (sft0,) = store.list(0, "sft")
     (grpo1,) = store.list(1, "grpo")
     (sft1,) = store.list(1, "sft")
     (sft2,) = store.list(2, "sft")
@@ -85,7 +86,6 @@ def test_sft_replay_reads_every_earlier_exploration_as_rft_does(tmp_path):
         refs = store.list(round, "explore")
         return [ref.id for ref in sorted(refs, key=lambda ref: ref.inputs[0] != first_from)]
 
-    (sft0,) = store.list(0, "sft")
     round1 = explorations(1, sft0.id)
     round2 = explorations(2, grpo1.id)
     assert len(round1) == len(round2) == 2, printed[-3000:]

@@ -639,13 +639,17 @@ class GrpoConfig(TrainSection):
         default=0.0,
         ge=0,
         lt=1,
-        description="MIX (Trinity-RFT, mu there, 0.1): loss = (1 - w) * GRPO + w * token-mean NLL of expert trajectories of this round's unsolved tasks; 0 = plain GRPO.",
+        description="MIX (Trinity-RFT, mu there, 0.1): loss = (1 - w) * GRPO + w * token-mean NLL of the MIX rows (mix_source: expert trajectories of this round's unsolved tasks by default); 0 = plain GRPO.",
     )
     expert_ratio: float = Field(
         default=0.5,
         gt=0,
         lt=1,
-        description="MIX: expert trajectories as a share of all trained trajectories (Trinity-RFT: 0.5), capped by the explored tasks no sample solved.",
+        description="MIX: its NLL rows as a share of all trained trajectories (Trinity-RFT: 0.5), capped by the rows there are (unsolved tasks with an expert trajectory, or solved tasks with mix_source own).",
+    )
+    mix_source: Literal["expert", "own"] = Field(
+        default="expert",
+        description="MIX's NLL rows: expert (Trinity-RFT) = expert trajectories of the explored tasks no sample solved; own = the policy's best successful sample of each solved task of the exploration its groups came from, chosen as rft chooses (self-imitation: the step also imitates its own successes, which GRPO's all-solved groups leave untrained). Both capped by expert_ratio.",
     )
     failure_credit: Literal["trajectory", "departure"] = Field(
         default="trajectory",
@@ -658,10 +662,12 @@ class GrpoConfig(TrainSection):
     )
 
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
-        """As for any training section; ``failure_credit`` only when it is not the published
-        rule, so runs from before the field keep their ids. ``resample`` never: it decides
-        which groups artifact the stage reads, and that artifact's id is among its inputs."""
+        """As for any training section; ``failure_credit`` and ``mix_source`` only when they are
+        not the published rule, so runs from before those fields keep their ids. ``resample``
+        never: it decides which groups artifact the stage reads, and that artifact's id is
+        among its inputs."""
         skip = {"failure_credit"} if self.failure_credit == "trajectory" else set()
+        skip |= {"mix_source"} if self.mix_source == "expert" else set()
         return super().artifact_dump(skip | {"resample"} | (exclude or set()))
 
 

@@ -27,6 +27,12 @@ MIX takes the expert trajectories of exactly those tasks of this round's explora
 choice, ``expert_ratio`` of all trained trajectories at most). The stage then also reads the
 explore and expert artifacts and lists them as inputs; with ``expert_weight`` 0 it reads neither.
 
+``mix_source: own`` trains the NLL term on the policy's own successes instead (self-imitation):
+the best successful sample of each solved task of the exploration the groups came from, chosen
+as ``rft`` chooses (best Pareto rank, deduplicated), under the same cap. A task all K samples
+solved is a flat group, so plain GRPO never trains its successes, where an SFT on the same
+exploration (``rft``) imitates every one of them. The stage then reads the explore artifact only.
+
 No groups left (none selected, or all flat): the stage warns and writes a checkpoint identical to
 its input with ``skipped`` in the summary, as dpo does.
 
@@ -150,14 +156,23 @@ def unsolved_expert(
     return candidates.sample(min(want, candidates.height), seed=seed, shuffle=True)
 
 
+def own_successes(explored: pl.DataFrame, n_policy: int, gc: GrpoConfig, seed: int) -> pl.DataFrame:
+    """MIX's rows with ``mix_source: own``: the best successful sample of each solved task
+    (``rft``'s choice, one per task), at most ``expert_ratio / (1 - expert_ratio) * n_policy``
+    of them (a seeded choice)."""
+    from stages.rft import select_successes
+
+    candidates = select_successes(explored, per_task=1)
+    want = round(gc.expert_ratio / (1.0 - gc.expert_ratio) * n_policy)
+    return candidates.sample(min(want, candidates.height), seed=seed, shuffle=True)
+
+
 def expert_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, Any]:
-    """An expert trajectory -> a grpo example trained by MIX's NLL term only (advantage 0, no
-    behaviour log-probs: the expert is not a policy we sampled)."""
+    """A MIX row (an expert trajectory, or an own success) -> a grpo example trained by MIX's
+    NLL term only (advantage 0, no behaviour log-probs: it is imitated, not reinforced)."""
     ids, mask = Trajectory.from_row(row).encode(tokenizer)
     if not any(mask):
-        raise ValueError(
-            f"grpo: expert trajectory {row['env']}/{row['task_id']} has no trained turn"
-        )
+        raise ValueError(f"grpo: MIX trajectory {row['env']}/{row['task_id']} has no trained turn")
     return {"input_ids": ids, "loss_mask": mask, "old_logprobs": [0.0] * len(ids), "advantage": 0.0,
             "expert": 1.0}  # fmt: skip
 
@@ -200,18 +215,20 @@ def run(
 ) -> ArtifactRef:
     gc: GrpoConfig = cfg.grpo  # type: ignore[attr-defined]
     mix = gc.expert_weight > 0
-    if mix and (explored is None or expert is None):
+    own = mix and gc.mix_source == "own"
+    if own and explored is None:
+        raise ValueError("grpo: expert_weight > 0 with mix_source own needs the round's explore")
+    if mix and not own and (explored is None or expert is None):
         raise ValueError(
             "grpo: expert_weight > 0 needs the round's explore and the expert artifacts"
         )
+    mix_inputs = [] if not mix else [explored.id] if own else [explored.id, expert.id]  # type: ignore[union-attr]
     w = store.writer(
         "checkpoints",
         stage="grpo",
         round=round,
         config=artifact_config(cfg, round),
-        inputs=[policy.id, groups.id]
-        + ([explored.id, expert.id] if mix else [])  # type: ignore[union-attr]
-        + validation_inputs(gc, val_tasks, val_demos),
+        inputs=[policy.id, groups.id] + mix_inputs + validation_inputs(gc, val_tasks, val_demos),
         force=force,
     )
     if w.cached:
@@ -247,13 +264,18 @@ def run(
             examples, group_keys(frame), frame["train_reward"].to_list()
         )
     n_expert = 0
-    if mix:
+    if own:
+        sampled = pl.from_arrow(store.read(explored))  # type: ignore[arg-type]
+        assert isinstance(sampled, pl.DataFrame)
+        gold = own_successes(sampled, len(examples), gc, cfg.train_seed)
+    elif mix:
         # Only whether each explored task was solved matters, not its (large) token columns.
         solved = store.read(explored, columns=["env", "task_id", "success"])  # type: ignore[arg-type]
         gold = unsolved_expert(
             pl.from_arrow(solved), pl.from_arrow(store.read(expert)),  # type: ignore[arg-type]
             len(examples), gc, cfg.train_seed,
         )  # fmt: skip
+    if mix:
         examples = [ex | {"expert": 0.0} for ex in examples]
         examples += [expert_example(tokenizer, row) for row in gold.iter_rows(named=True)]
         n_expert = gold.height
@@ -266,7 +288,9 @@ def run(
         f"trajectories from {groups.id}"
         + (f", efficiency reward s_tool {s_tool:g} s_len {s_len:g}" if gc.efficiency_reward else "")
         + (
-            f", MIX: {n_expert} expert trajectories of unsolved tasks, weight {gc.expert_weight:g}"
+            f", MIX: {n_expert} "
+            + ("own successes of solved tasks" if own else "expert trajectories of unsolved tasks")
+            + f", weight {gc.expert_weight:g}"
             if mix
             else ""
         )
@@ -300,7 +324,7 @@ def run(
         summary["tokens_after_departure"] = cut
     if mix:
         summary |= {
-            "expert_trajectories": n_expert,
+            ("own_trajectories" if own else "expert_trajectories"): n_expert,
             "expert_nll": sum(h["expert_nll"] for h in history) / len(history),
         }
     return write_checkpoint(

@@ -132,6 +132,7 @@ def test_artifact_configs_isolate_sections():
         ("model.tiny.number_digits=3", {"init"}),
         ("mcts.tasks=unsolved", {"mcts"}),
         ("splice.revisions=false", {"splice"}),
+        ("grpo.mix_source=own", {"grpo"}),
         # a baseline's own seed retrains that baseline only
         ("rft.seed=7", {"rft"}),
         ("sft_more.seed=7", {"sft_more"}),
@@ -146,6 +147,7 @@ def test_artifact_configs_isolate_sections():
     assert "number_digits" not in configs(["model.tiny.number_digits=3"])["init"]["model"]["tiny"]
     assert base["init"]["model"]["tiny"]["number_digits"] == 1  # the default yaml's setting
     assert "tasks" not in base["mcts"]["mcts"] and "revisions" not in base["splice"]["splice"]
+    assert "mix_source" not in base["grpo"]["grpo"]
     # a training seed or baseline seed equal to the one it replaces keeps every id
     assert configs(["run.train_seed=0"]) == base
     assert configs(["rft.seed=0", "sft_more.seed=0"]) == base

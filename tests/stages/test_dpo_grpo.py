@@ -31,6 +31,7 @@ from flywheel.training.losses import (
     masked_ce,
     sequence_logprob,
 )
+from flywheel.trajectory import Trajectory
 from stages import dpo, grpo
 from stages.dpo import DpoConfig
 from stages.grpo import GrpoConfig
@@ -526,3 +527,50 @@ def test_grpo_mix_trains_the_expert_turns_and_records_its_inputs(world, sampled,
     assert plain.inputs == [policy.id, sampled.id] and "expert_trajectories" not in plain.summary
     print(f"expert NLL: start {nll(policy):.3f}, GRPO {nll(plain):.3f}, MIX {nll(ref):.3f}")
     assert nll(ref) < min(nll(policy), nll(plain)) - 0.2
+
+
+def test_mix_own_takes_the_best_success_of_each_solved_task(world, mix_inputs):
+    store, _, _ = world
+    explored = pl.from_arrow(store.read(mix_inputs[0]))
+    # A second success of t0 (sample 1) with more tokens: rft's rule keeps sample 0 only.
+    explored = explored.with_columns(
+        success=pl.col("success") | ((pl.col("task_id") == "t0") & (pl.col("sample_idx") == 1)),
+        reward=pl.when(pl.col("task_id") == "t0").then(pl.col("reward")).otherwise(0.0),
+        tokens=pl.col("tokens") + pl.col("sample_idx"),
+    )
+    gc = GrpoConfig(expert_weight=0.1, mix_source="own")
+    picked = grpo.own_successes(explored, n_policy=8, gc=gc, seed=0)
+    assert picked.select("task_id", "sample_idx").rows() == [("t0", 0)]
+    # The cap: 0.5 of 0 trained trajectories leaves none.
+    assert grpo.own_successes(explored, n_policy=0, gc=gc, seed=0).is_empty()
+
+
+def test_grpo_mix_own_trains_its_successes_and_reads_no_expert(world, sampled, mix_inputs):
+    store, tokenizer, policy = world
+    explored, expert = mix_inputs
+    gc = GrpoConfig(
+        lr=3e-3, epochs=3, expert_weight=0.5, mix_source="own", **TRAIN | {"micro_batch_size": 4}
+    )
+    with pytest.raises(ValueError, match="mix_source own needs the round's explore"):
+        grpo.run(Cfg(grpo=gc), store, policy, sampled, round=1)
+    ref = grpo.run(Cfg(grpo=gc), store, policy, sampled, explored, expert, round=1)
+    assert ref.inputs == [policy.id, sampled.id, explored.id]
+    assert ref.summary["own_trajectories"] == 1 and "expert_trajectories" not in ref.summary
+    # The one success (t0, sample 0) became more likely than under plain GRPO.
+    row = pl.from_arrow(store.read(explored)).filter(
+        (pl.col("task_id") == "t0") & (pl.col("sample_idx") == 0)
+    )
+    ids, mask = Trajectory.from_row(row.row(0, named=True)).encode(tokenizer)
+    batch = torch.tensor([ids])
+
+    def nll(ref_):
+        model, _ = load_policy(store, ref_)
+        with torch.no_grad():
+            return masked_ce(model(input_ids=batch).logits, batch, torch.tensor([mask])).item()
+
+    plain_gc = GrpoConfig(lr=3e-3, epochs=3, **TRAIN | {"micro_batch_size": 4})
+    plain = grpo.run(Cfg(grpo=plain_gc), store, policy, sampled, explored, expert, round=1)
+    print(
+        f"own success NLL: start {nll(policy):.3f}, GRPO {nll(plain):.3f}, MIX own {nll(ref):.3f}"
+    )
+    assert nll(ref) < nll(policy) - 0.1 and nll(ref) < nll(plain) - 0.2

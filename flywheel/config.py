@@ -908,6 +908,16 @@ class Config(Section):
             raise ValueError(
                 "splice.revisions=false and splice.good_paths=false leave splice nothing to write"
             )
+        steps = self.iteration.steps
+        if self.grpo.resample and ("grpo" not in steps or steps.index("grpo") == 0):
+            raise ValueError(
+                "grpo.resample=true samples again for a grpo step that follows another step of "
+                f"the round (iteration.steps=[sft, grpo]); got [{', '.join(steps)}]"
+            )
+        if self.grpo.mix_source == "own" and self.grpo.expert_weight == 0:
+            raise ValueError(
+                "grpo.mix_source=own needs grpo.expert_weight > 0 (the weight of its NLL term)"
+            )
         return self
 
     @field_validator("baselines")

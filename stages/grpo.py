@@ -63,6 +63,7 @@ from flywheel.training.loop import LossParams
 from flywheel.training.losses import anneal, efficiency_reward, group_advantages
 from flywheel.trajectory import Trajectory
 from stages._common import validation, validation_config, validation_inputs
+from stages.rft import select_successes
 
 BROKEN_FORMAT = ("invalid", "error")
 
@@ -152,6 +153,11 @@ def unsolved_expert(
         .unique(["env", "task_id"], keep="first")
         .sort("env", "task_id")
     )
+    return capped(candidates, n_policy, gc, seed)
+
+
+def capped(candidates: pl.DataFrame, n_policy: int, gc: GrpoConfig, seed: int) -> pl.DataFrame:
+    """MIX's cap: at most ``expert_ratio / (1 - expert_ratio) * n_policy`` rows (seeded choice)."""
     want = round(gc.expert_ratio / (1.0 - gc.expert_ratio) * n_policy)
     return candidates.sample(min(want, candidates.height), seed=seed, shuffle=True)
 
@@ -160,11 +166,7 @@ def own_successes(explored: pl.DataFrame, n_policy: int, gc: GrpoConfig, seed: i
     """MIX's rows with ``mix_source: own``: the best successful sample of each solved task
     (``rft``'s choice, one per task), at most ``expert_ratio / (1 - expert_ratio) * n_policy``
     of them (a seeded choice)."""
-    from stages.rft import select_successes
-
-    candidates = select_successes(explored, per_task=1)
-    want = round(gc.expert_ratio / (1.0 - gc.expert_ratio) * n_policy)
-    return candidates.sample(min(want, candidates.height), seed=seed, shuffle=True)
+    return capped(select_successes(explored, per_task=1), n_policy, gc, seed)
 
 
 def expert_example(tokenizer: Any, row: dict[str, Any]) -> dict[str, Any]:

@@ -205,10 +205,13 @@ def one_round(
     first explores again from the policy it starts from and trains on those groups. With
     sft.replay, the round's sft also reads the ``earlier`` rounds' explorations."""
     kinds = plan.cfg.iteration.data
+    steps = plan.cfg.iteration.steps
+    # With resample the round explores twice; ``stage explore`` (or pareto) stops at the second.
+    again = plan.cfg.grpo.resample and "grpo" in steps and steps.index("grpo") > 0
     explored = spliced = reflected = resampled = pairs = groups = None
     if "explore" in kinds:
-        explored = _step(plan, "explore", round, policy, boot["train"])
-        mined = _run(plan, "pareto", round, explored, boot["expert"])
+        explored = _step(plan, "explore", round, policy, boot["train"], last=not again)
+        mined = _run(plan, "pareto", round, explored, boot["expert"], last=not again)
         assert isinstance(mined, tuple)  # pareto writes two artifacts
         pairs, groups = mined
         if "reflect" in kinds:
@@ -220,7 +223,7 @@ def one_round(
     if plan.cfg.sft.replay:
         own += explorations(earlier)
     trained: list[ArtifactRef] = []
-    for name in plan.cfg.iteration.steps:
+    for name in steps:
         if name == "grpo" and plan.cfg.grpo.resample and trained:
             # The round's groups were sampled before the earlier steps changed the policy:
             # sample them again, same tasks and settings, from the policy grpo starts from.

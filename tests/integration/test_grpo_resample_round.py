@@ -6,6 +6,9 @@ one exploration fewer)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 
 from flywheel.config import load_config
@@ -93,3 +96,31 @@ def test_sft_replay_reads_every_earlier_exploration_as_rft_does(tmp_path):
     assert sft1.inputs[1:3] == [round1[0], expert.id]
     assert sft2.inputs[:5] == [grpo1.id, round2[0], *round1, expert.id]
     assert rft.inputs[1:5] == [*round1, *round2]
+
+
+@pytest.mark.integration
+def test_stage_explore_stops_after_the_resampled_exploration(tmp_path):
+    """With resample the round explores twice: ``stage explore`` and ``stage pareto`` reach the
+    second exploration (sampled by the round's SFT'd policy), not only the first."""
+    from flows.flywheel import stage_flow
+
+    overrides = tiny_overrides(tmp_path, *OVERRIDES, "grpo.resample=true")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        explored = stage_flow("explore", round=1, overrides=overrides)
+        mined = stage_flow("pareto", round=1, overrides=overrides).split()
+    printed = out.getvalue()
+    cfg = load_config(None, overrides)
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    (sft1,) = store.list(1, "sft")
+    assert store.list(1, "grpo") == [], printed[-3000:]  # stopped before grpo
+    again = store.get(explored)
+    assert again.inputs[0] == sft1.id  # the resampled exploration, not the first
+    assert len(store.list(1, "explore")) == 2
+    assert [store.get(i).inputs[0] for i in mined] == [explored, explored]
+    round1 = [(stage, hit) for r, stage, hit, _ in stage_lines(printed) if r == 1]
+    # the second walk finds both explorations and the sft step in the store, then mines
+    assert round1[-7:] == [
+        ("explore", True), ("pareto", True), ("pareto", True), ("sft", True),
+        ("explore", True), ("pareto", False), ("pareto", False),
+    ], round1  # fmt: skip

@@ -482,6 +482,14 @@ def mix_inputs(world, sampled):
     )
 
 
+def sequence_nll(store: Store, ref, ids: list[int], mask: list[int]) -> float:
+    """The mean NLL of the masked tokens of one fixed sequence under the checkpoint ``ref``."""
+    model, _ = load_policy(store, ref)
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        return masked_ce(model(input_ids=batch).logits, batch, torch.tensor([mask])).item()
+
+
 def test_mix_takes_expert_trajectories_of_unsolved_tasks_only(world, mix_inputs):
     store, _, _ = world
     explored, expert = (pl.from_arrow(store.read(ref)) for ref in mix_inputs)
@@ -515,12 +523,9 @@ def test_grpo_mix_trains_the_expert_turns_and_records_its_inputs(world, sampled,
     assert len(log) == 9 and all(math.isfinite(e["expert_nll"]) for e in log)  # 10 rows / 4 x 3
     # The expert's answer became more likely; plain GRPO (weight 0) reads neither extra artifact.
     ids, mask = encode_chat(tokenizer, [*PROMPT, *EXPERT])
-    batch = torch.tensor([ids])
 
     def nll(ref_):
-        model, _ = load_policy(store, ref_)
-        with torch.no_grad():
-            return masked_ce(model(input_ids=batch).logits, batch, torch.tensor([mask])).item()
+        return sequence_nll(store, ref_, ids, mask)
 
     plain_cfg = GrpoConfig(lr=3e-3, epochs=3, **TRAIN | {"micro_batch_size": 4})
     plain = grpo.run(Cfg(grpo=plain_cfg), store, policy, sampled, explored, expert, round=1)
@@ -561,12 +566,9 @@ def test_grpo_mix_own_trains_its_successes_and_reads_no_expert(world, sampled, m
         (pl.col("task_id") == "t0") & (pl.col("sample_idx") == 0)
     )
     ids, mask = Trajectory.from_row(row.row(0, named=True)).encode(tokenizer)
-    batch = torch.tensor([ids])
 
     def nll(ref_):
-        model, _ = load_policy(store, ref_)
-        with torch.no_grad():
-            return masked_ce(model(input_ids=batch).logits, batch, torch.tensor([mask])).item()
+        return sequence_nll(store, ref_, ids, mask)
 
     plain_gc = GrpoConfig(lr=3e-3, epochs=3, **TRAIN | {"micro_batch_size": 4})
     plain = grpo.run(Cfg(grpo=plain_gc), store, policy, sampled, explored, expert, round=1)

@@ -7,7 +7,7 @@
     flywheel show ID [--task T] [--failed] [--source S] [--limit N]  # episodes of an artifact
     flywheel credit EXPLORE_ID [--no-greedy]  # where GRPO's signal lands (flywheel/credit.py)
     flywheel coverage EXPLORE_ID              # tasks whose solution needs a token no demonstration writes
-    flywheel compare EVAL_A EVAL_B            # paired gain of one evaluated policy over another
+    flywheel compare EVAL_A EVAL_B [EVAL_B ...]  # paired gain of one evaluated policy over another
     flywheel config [--fields | --reference]
     flywheel import FILE --format eto|agentgym|openai --env NAME [--split S]  # a trajectories artifact
     flywheel export ID --format eto|agentgym|openai|trl [--out FILE] [--success-only]
@@ -334,11 +334,14 @@ def _parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser(
         "compare",
-        help="two eval artifacts of the run (any rounds, baselines or reruns): success of each "
-        "and the paired gain of the first over the second",
+        help="eval artifacts of the run (any rounds, baselines or reruns): success of each "
+        "and the paired gain of the first over the second (over the mean of the others, when "
+        "several follow: repeats of one baseline)",
     )
     cp.add_argument("a", type=_plain, help="an eval artifact")
-    cp.add_argument("b", type=_plain, help="another eval artifact")
+    # The ids and the overrides after them arrive together (argparse gives every positional
+    # to b): main splits them at the first key=value.
+    cp.add_argument("b", nargs="+", help="the eval artifact(s) to compare against, averaged")
     cp.add_argument("--config")
     cp.add_argument("overrides", nargs="*")
 
@@ -613,8 +616,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "compare":
         from flywheel.report import compare
+        from flywheel.store import check_plain
 
-        print(compare(_store(args.config, args.overrides), args.a, args.b))
+        ids = [x for x in args.b if "=" not in x]
+        overrides = [x for x in args.b if "=" in x] + args.overrides
+        if not ids:
+            raise ValueError("compare needs at least one eval artifact after the first")
+        for i in ids:
+            check_plain("", i)  # one folder name, never a path
+        print(compare(_store(args.config, overrides), args.a, *ids))
         return 0
     if args.command == "coverage":
         from flywheel.config import load_config

@@ -223,27 +223,36 @@ def _gain_line(row: dict[str, Any]) -> str:
     return f"  round {row['round']} {row['policy']:<5} {row['env']:<8} " + "   ".join(parts)
 
 
-def compare(store: Store, a_id: str, b_id: str) -> str:
-    """``flywheel compare A B``: two eval artifacts of a run's store (any rounds, baselines or
-    versions, which the report does not set side by side), each env's success of both and the
-    paired gain of A over B on the tasks both ran (± its standard error, * / ! beyond two above
-    / below)."""
-    refs = [store.get(i) for i in (a_id, b_id)]
+def compare(store: Store, a_id: str, *b_ids: str) -> str:
+    """``flywheel compare A B [B ...]``: eval artifacts of a run's store (any rounds, baselines
+    or versions, which the report does not set side by side), each env's success of each and the
+    paired gain of A over B on the tasks all ran (± its standard error, * / ! beyond two above /
+    below). Several B (repeats of one baseline with other seeds, say) are averaged task by task
+    first, so A is measured against the baseline's mean rather than one draw of it."""
+    if not b_ids:
+        raise ValueError("compare needs at least one eval artifact to compare against")
+    refs = [store.get(i) for i in (a_id, *b_ids)]
     for ref in refs:
         if ref.kind != "eval":
             raise ValueError(f"{ref.id} is a {ref.kind} artifact; compare reads eval artifacts")
-    a, b = (read_outcomes(store, ref) for ref in refs)
-    lines = [f"{a_id} (A) against {b_id} (B), paired over the tasks both ran:"]
-    for env in sorted({k[0] for k in a} | {k[0] for k in b}):
-        keys = sorted(k for k in a if k[0] == env and k in b)
+    a, *bs = (read_outcomes(store, ref) for ref in refs)
+    against = b_ids[0] if len(b_ids) == 1 else f"the mean of {', '.join(b_ids)}"
+    lines = [f"{a_id} (A) against {against} (B), paired over the tasks all ran:"]
+    for env in sorted({k[0] for k in a} | {k[0] for b in bs for k in b}):
+        keys = sorted(k for k in a if k[0] == env and all(k in b for b in bs))
         if not keys:
-            raise ValueError(f"{a_id} and {b_id} ran no task of env {env!r} in common")
-        xa, xb = [a[k] for k in keys], [b[k] for k in keys]
+            raise ValueError(f"{a_id} and {', '.join(b_ids)} ran no task of env {env!r} in common")
+        xa = [a[k] for k in keys]
+        xb = [sum(b[k] for b in bs) / len(bs) for k in keys]
         ra, rb = sum(xa) / len(keys), sum(xb) / len(keys)
         gain, se = ra - rb, paired_standard_error(xa, xb)
         mark = "*" if gain > 2 * se else "!" if gain < -2 * se else " "
+        each = ""
+        if len(bs) > 1:
+            rates = (sum(b[k] for k in keys) / len(keys) for b in bs)
+            each = f" (each {', '.join(f'{100 * r:.1f}%' for r in rates)})"
         lines.append(
             f"  {env:<8} {len(keys):>5} tasks   A {100 * ra:5.1f}%   B {100 * rb:5.1f}%   "
-            f"A - B {100 * gain:+5.1f} ± {100 * se:.1f}{mark}"
+            f"A - B {100 * gain:+5.1f} ± {100 * se:.1f}{mark}{each}"
         )
     return "\n".join(lines)

@@ -92,6 +92,16 @@ def test_compare_gives_the_paired_gain_of_two_evaluations(tiny, capsys):
     assert f"arith        {len(keys)} tasks" in out
     assert f"A {100 * r1.summary['arith/success_rate']:5.1f}%" in out
     assert f"A - B {gain:+5.1f} ± {se:.1f}" in out
+    # Against several evaluations (a baseline's repeats): their mean, task by task.
+    assert main(["compare", r1.id, r0.id, r1.id, "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    mean = [(x + y) / 2 for x, y in zip(xa, xb, strict=True)]
+    half = 100 * (sum(xa) - sum(mean)) / len(keys)
+    assert f"against the mean of {r0.id}, {r1.id} (B)" in out
+    assert f"A - B {half:+5.1f} ± {100 * paired_standard_error(xa, mean):.1f}" in out
+    assert f"(each {100 * sum(xb) / len(keys):.1f}%, {100 * sum(xa) / len(keys):.1f}%)" in out
+    assert main(["compare", "--config", str(path), r1.id, "run.seed=0"]) == 2
+    assert "needs at least one eval artifact after the first" in capsys.readouterr().err
     assert main(["compare", "--config", str(path), r1.id, r1.inputs[0]]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("is a checkpoints artifact; compare reads eval artifacts")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prefect import flow, task
@@ -267,16 +267,25 @@ def baselines(
             if name == "sft_more"
             else (explored, boot["expert"])
         )
-        ref = _step(
-            plan,
-            name,
-            round,
-            boot["policy"],
-            *data,
-            val_tasks=boot["val"],
-            val_demos=boot["expert"],
-        )
-        _step(plan, "evaluate", round, ref, boot["test"])
+        section = getattr(plan.cfg, name)
+        seed = plan.cfg.baseline_seed(section)
+        for k in range(section.repeats):
+            # A repeat is the same stage with the next data order: a plan whose config says so
+            # (the first keeps the run's config, so its id is the one a single run has).
+            cfg = plan.cfg
+            if k:
+                cfg = cfg.model_copy(update={name: section.model_copy(update={"seed": seed + k})})
+            ref = _step(
+                replace(plan, cfg=cfg),
+                name,
+                round,
+                boot["policy"],
+                *data,
+                val_tasks=boot["val"],
+                val_demos=boot["expert"],
+                last=k == section.repeats - 1,
+            )
+            _step(plan, "evaluate", round, ref, boot["test"])
 
 
 # The stages of a round that run before splice (a walk stopped at one of them in round 1

@@ -435,11 +435,17 @@ class BaselineSection(TrainSection):
         default=None,
         description="Seed of this baseline's data order (null: run.train_seed, else run.seed); changing it retrains only this baseline and its evaluation.",
     )
+    repeats: int = Field(
+        default=1,
+        ge=1,
+        description="Train and evaluate this baseline this many times, with data orders seed, seed + 1, ...; the report measures the rounds against the repeats' task-by-task mean (one run's data order moves it by about 3 points on arith).",
+    )
 
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
         """As for any training section, without ``seed``: the stage hashes the resolved seed
-        (``Config.baseline_seed``), so a null seed keeps the ids it had before the field."""
-        return super().artifact_dump({"seed"} | (exclude or set()))
+        (``Config.baseline_seed``), so a null seed keeps the ids it had before the field.
+        ``repeats`` says how many runs, not what one of them computes."""
+        return super().artifact_dump({"seed", "repeats"} | (exclude or set()))
 
 
 class SftMoreConfig(BaselineSection):

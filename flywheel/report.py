@@ -149,14 +149,40 @@ def _gain(row: dict[str, Any], ref: dict[str, Any], outcomes: Outcomes | None) -
     }
 
 
+def mean_of_repeats(rows: list[dict[str, Any]], outcomes: Outcomes) -> dict[str, Any]:
+    """One reference row for several evaluations of one baseline (``repeats``, or reruns with
+    another seed) in one env: the mean success, and with every repeat's episodes on the same
+    tasks, their task-by-task mean filed in ``outcomes`` under a key of its own, so a round's
+    gain over it is paired."""
+    name, env = rows[0]["policy"], rows[0]["env"]
+    p = sum(r["success_rate"] for r in rows) / len(rows)
+    n = min(r["n_tasks"] for r in rows)
+    mean = {
+        "round": rows[0]["round"], "policy": f"{name} (mean of {len(rows)})", "env": env,
+        "success_rate": p, "n_tasks": n, "success_se": standard_error(p, n),
+    }  # fmt: skip
+    tasks = [{k: v for k, v in outcomes.get(r.get("eval_id", ""), {}).items() if k[0] == env}
+             for r in rows]  # fmt: skip
+    if tasks[0] and all(t.keys() == tasks[0].keys() for t in tasks):
+        key = "mean:" + ",".join(r["eval_id"] for r in rows)
+        outcomes[key] = {k: sum(t[k] for t in tasks) / len(tasks) for k in tasks[0]}
+        mean["eval_id"] = key
+    return mean
+
+
 def add_gains(rows: list[dict[str, Any]], outcomes: Outcomes | None = None) -> None:
     """Give every round's row (round >= 1, not a baseline) its gain over the round-0 SFT policy
     and over the best baseline of the same env, in place. With ``outcomes`` (each row's episodes
-    by eval id) the standard error of a gain is the paired one over the tasks both ran."""
+    by eval id) the standard error of a gain is the paired one over the tasks both ran. A
+    baseline evaluated several times (its repeats) counts as the mean of its evaluations."""
+    outcomes = dict(outcomes or {})  # the repeats' means are added to a copy
     for env in {r["env"] for r in rows}:
         mine = [r for r in rows if r["env"] == env and "success_rate" in r]
         sft = [r for r in mine if r["round"] == 0 and r["policy"] == "sft"]
-        base = [r for r in mine if r["policy"] in BASELINES]
+        base = []
+        for name in BASELINES:
+            runs = [r for r in mine if r["policy"] == name]
+            base += runs if len(runs) < 2 else [mean_of_repeats(runs, outcomes)]
         best = max(base, key=lambda r: r["success_rate"]) if base else None
         for row in mine:
             if row["round"] < 1 or row["policy"] in BASELINES:

@@ -15,7 +15,7 @@ import pytest
 
 from flows.flywheel import stage_flow
 from flywheel.cli import main
-from flywheel.config import load_config
+from flywheel.config import BASELINES, load_config
 from flywheel.store import Store
 from tests.conftest import run_flywheel, stage_lines, tiny_overrides, write_tiny_yaml
 
@@ -100,6 +100,31 @@ def test_changed_config_reruns_that_stage_and_what_follows(tiny_flywheel, overri
     assert manifests(tiny_flywheel.root) - before == {
         m for m in manifests(tiny_flywheel.root) if m.rsplit("/", 1)[-1] in new
     }
+
+
+def test_rft_repeats_train_the_next_data_orders_and_the_report_takes_their_mean(tiny_flywheel):
+    """rft.repeats=2: the first rft is the run's own (a cache hit), the second trains with the
+    next seed and is evaluated; the rounds' gain is measured against the two runs' mean."""
+    printed, _, rows = run_flywheel([*tiny_flywheel.overrides, "rft.repeats=2"], rounds=1)
+    lines = stage_lines(printed)
+    assert [(r, s) for r, s, _, _ in lines] == [
+        *[(r, s) for r, s, _, _ in tiny_flywheel.lines], (1, "rft"), (1, "evaluate")
+    ]  # fmt: skip
+    assert all(hit for _, _, hit, _ in lines[:-2]) and not any(hit for *_, hit, _ in lines[-2:])
+    store = Store(str(tiny_flywheel.root / "store"), "tiny")
+    first, again = (store.get(i) for r, s, _, i in lines if s == "rft")
+    assert again.manifest["config"]["seed"] == first.manifest["config"]["seed"] + 1
+    assert again.inputs == first.inputs
+    assert [row["policy"] for row in rows].count("rft") == 2
+    (round1,) = [row for row in rows if row["round"] == 1 and row["policy"] not in BASELINES]
+    g = round1["gain_over_baselines"]
+    rft = [row["success_rate"] for row in rows if row["policy"] == "rft"]
+    more = [row["success_rate"] for row in rows if row["policy"] == "sft_more"]
+    if sum(rft) / 2 > max(more):  # a tie goes to the first of BASELINES, sft_more
+        assert g["over"] == "rft (mean of 2)" and g["paired"] is True
+        assert g["gain"] == pytest.approx(round1["success_rate"] - sum(rft) / 2)
+    else:
+        assert g["over"] == "sft_more"
 
 
 def test_no_training_or_selection_stage_reads_the_test_split(tiny_flywheel):

@@ -126,3 +126,37 @@ def test_env_specific_metrics_are_columns_only_when_reported():
     header = format_table(rows).splitlines()[0].split()
     assert header[-1] == "recall_at_5" and "recovery_rate" not in header
     assert format_table(rows).splitlines()[3].split()[-1] == "0.750"
+
+
+def test_a_baseline_evaluated_several_times_counts_as_its_mean():
+    """rft.repeats=2: two rft runs with other data orders, 40% and 30%. The round (36%) is
+    measured against their task-by-task mean (35%), paired, not against the better draw."""
+    sft = {**row(0, "sft", 0.30), "eval_id": "e-sft"}
+    r2 = {**row(2, "grpo", 0.36), "eval_id": "e-r2"}
+    rft_a = {**row(2, "rft", 0.40), "eval_id": "e-a"}
+    rft_b = {**row(2, "rft", 0.30), "eval_id": "e-b"}
+    more = {**row(2, "sft_more", 0.33), "eval_id": "e-more"}
+    outcomes = {
+        "e-sft": outcomes_of(range(0, 300)),
+        "e-r2": outcomes_of(range(0, 360)),
+        "e-a": outcomes_of(range(0, 400)),
+        "e-b": outcomes_of(range(50, 350)),
+        "e-more": outcomes_of(range(0, 330)),
+    }
+    rows = [sft, r2, rft_a, rft_b, more]
+    add_gains(rows, outcomes)
+    g = r2["gain_over_baselines"]
+    assert g["over"] == "rft (mean of 2)" and g["paired"] is True
+    assert g["gain"] == pytest.approx(0.01)
+    # d = r2 - mean(a, b) per task: +0.5 on tasks 0-49 and 350-359 (r2 and a solve them, b
+    # does not), -0.5 on 360-399 (a alone), 0 elsewhere.
+    d = [0.5] * 60 + [-0.5] * 40 + [0.0] * 900
+    mean = sum(d) / 1000
+    assert mean == pytest.approx(0.01)
+    se = math.sqrt((sum(x * x for x in d) / 1000 - mean**2) / 1000)
+    assert g["se"] == pytest.approx(se)
+    assert set(outcomes) == {"e-sft", "e-r2", "e-a", "e-b", "e-more"}  # the caller's, untouched
+    assert "vs rft (mean of 2)  +1.0 ±" in format_table(rows)
+    # One rft run: the round is measured against it, as before.
+    add_gains([sft, r2, rft_b, more], outcomes)
+    assert r2["gain_over_baselines"]["over"] == "sft_more"  # 33% beats the one rft run's 30%

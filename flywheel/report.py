@@ -256,7 +256,7 @@ def compare(store: Store, a_id: str, *b_ids: str) -> str:
     below). Several B (repeats of one baseline with other seeds, say) are averaged task by task
     first, so A is measured against the baseline's mean rather than one draw of it."""
     if not b_ids:
-        raise ValueError("compare needs at least one eval artifact to compare against")
+        raise ValueError("compare needs at least one eval artifact after the first")
     refs = [store.get(i) for i in (a_id, *b_ids)]
     for ref in refs:
         if ref.kind != "eval":

@@ -205,9 +205,9 @@ def one_round(
     first explores again from the policy it starts from and trains on those groups. With
     sft.replay, the round's sft also reads the ``earlier`` rounds' explorations."""
     kinds = plan.cfg.iteration.data
-    steps = plan.cfg.iteration.steps
-    # With resample the round explores twice; ``stage explore`` (or pareto) stops at the second.
-    again = plan.cfg.grpo.resample and "grpo" in steps and steps.index("grpo") > 0
+    # With resample (which the config allows only after a step before grpo) the round explores
+    # twice; ``stage explore`` (or pareto) stops at the second.
+    again = plan.cfg.grpo.resample
     explored = spliced = reflected = resampled = pairs = groups = None
     if "explore" in kinds:
         explored = _step(plan, "explore", round, policy, boot["train"], last=not again)
@@ -223,8 +223,8 @@ def one_round(
     if plan.cfg.sft.replay:
         own += explorations(earlier)
     trained: list[ArtifactRef] = []
-    for name in steps:
-        if name == "grpo" and plan.cfg.grpo.resample and trained:
+    for name in plan.cfg.iteration.steps:
+        if name == "grpo" and again and trained:
             # The round's groups were sampled before the earlier steps changed the policy:
             # sample them again, same tasks and settings, from the policy grpo starts from.
             resampled = _step(plan, "explore", round, policy, boot["train"])

@@ -19,6 +19,9 @@ one training run (seed) to the next is what a second seed measures.
 
     flywheel report          # a table, then the gains
     flywheel report --json   # one object per policy and env (policy = init, sft, dpo, ..., sft_more, rft)
+
+A baseline's row also carries ``seed``, the seed of its data order (its checkpoint's), since
+with ``repeats`` one baseline has several rows; the table shows it as ``rft (seed 1)``.
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ def collect(store: Store) -> list[dict[str, Any]]:
         if ref.kind != "eval":
             raise ArtifactError(f"artifact {ref.id} is not an eval artifact")
         outcomes[ref.id] = read_outcomes(store, ref)
+        seed = None
+        if ref.manifest.get("policy_stage") in BASELINES and ref.manifest.get("policy"):
+            # A baseline's repeats differ only by the seed of their data order: say which is which.
+            seed = store.get(ref.manifest["policy"]).manifest.get("config", {}).get("seed")
         by_env: dict[str, dict[str, Any]] = {}
         for key, value in ref.summary.items():
             env, _, metric = key.partition("/")
@@ -108,6 +115,8 @@ def collect(store: Store) -> list[dict[str, Any]]:
                 **metrics,
             }
             row["n_tasks"] = int(row.get("n_tasks", 0))
+            if seed is not None:
+                row["seed"] = seed
             if "success_rate" in row:
                 row["success_se"] = standard_error(row["success_rate"], row["n_tasks"])
             rows.append(row)
@@ -198,6 +207,8 @@ def _cell(row: dict[str, Any], col: str) -> str:
         if "success_rate" not in row:
             return ""
         return f"{100 * row['success_rate']:.1f}% ± {100 * row['success_se']:.1f}"
+    if col == "policy" and "seed" in row:
+        return f"{row['policy']} (seed {row['seed']})"
     value = row.get(col, "")
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 

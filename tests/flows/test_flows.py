@@ -16,6 +16,7 @@ import pytest
 from flows.flywheel import stage_flow
 from flywheel.cli import main
 from flywheel.config import BASELINES, load_config
+from flywheel.report import format_table
 from flywheel.store import Store
 from tests.conftest import run_flywheel, stage_lines, tiny_overrides, write_tiny_yaml
 
@@ -116,6 +117,10 @@ def test_rft_repeats_train_the_next_data_orders_and_the_report_takes_their_mean(
     assert again.manifest["config"]["seed"] == first.manifest["config"]["seed"] + 1
     assert again.inputs == first.inputs
     assert [row["policy"] for row in rows].count("rft") == 2
+    # Each repeat's row names its data order's seed, in the table as in --json.
+    seeds = [row["seed"] for row in rows if row["policy"] == "rft"]
+    assert seeds == [first.manifest["config"]["seed"], again.manifest["config"]["seed"]]
+    assert f"rft (seed {seeds[1]})" in format_table(rows)
     (round1,) = [row for row in rows if row["round"] == 1 and row["policy"] not in BASELINES]
     g = round1["gain_over_baselines"]
     rft = [row["success_rate"] for row in rows if row["policy"] == "rft"]

@@ -318,9 +318,9 @@ def load_retriever(folder: str, *, gpu: bool = False) -> LocalRetriever:
     and index settings come from its manifest."""
     import faiss
     import fsspec
-    import pyarrow.parquet as pq
 
     from data_contracts import CONTRACTS, validate_table
+    from flywheel.store import read_parquet
 
     fs, base = fsspec.core.url_to_fs(folder)
     base = base.rstrip("/")
@@ -333,7 +333,7 @@ def load_retriever(folder: str, *, gpu: bool = False) -> LocalRetriever:
         tables = []
         for name in manifest["shards"]:
             with fs.open(f"{base}/{name}", "rb") as fh:
-                tables.append(validate_table(CONTRACTS["index"], pq.read_table(fh), name))
+                tables.append(validate_table(CONTRACTS["index"], read_parquet(fh), name))
         with fs.open(f"{base}/{INDEX_FILE}", "rb") as fh:
             index = faiss.deserialize_index(np.frombuffer(fh.read(), dtype=np.uint8))
     except FileNotFoundError as err:

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_contracts import SchemaError
-from flywheel.store import ArtifactError, Store
+from flywheel.store import ArtifactError, Store, read_parquet
 
 
 def task_rows(n, split="train"):
@@ -182,3 +182,22 @@ def test_sigkill_during_write_never_exposes_partial_artifact(tmp_path):
     assert json.loads(
         (tmp_path / "default" / "round-0" / "tasks" / ref.id / "manifest.json").read_text()
     )["shards"] == [f"part-0000{i}.parquet" for i in range(5)]
+
+
+def test_read_parquet_leaves_no_python_object_to_arrow(tmp_path):
+    """pyarrow given a Python file could free its reader, and the file with it, on a pool thread
+    after read_table returned; at interpreter exit that thread then aborted the process (exit
+    134). read_parquet hands Arrow a copy in its own memory: once it returns, the file is
+    referenced only by its caller, every time (with ``pq.read_table(fh)`` one read in about
+    five still held it here)."""
+    store = Store(str(tmp_path), run="r")
+    ref, _ = write_tasks(store, n=200)
+    shard = tmp_path / "r" / "round-0" / "tasks" / ref.id / "part-00000.parquet"
+    held = []
+    for _ in range(50):
+        with open(shard, "rb") as fh:
+            before = sys.getrefcount(fh)
+            table = read_parquet(fh, columns=["task_id", "answer"])
+            held.append(sys.getrefcount(fh) - before)
+    assert held == [0] * 50
+    assert table.column("answer").to_pylist() == [str(i + 1) for i in range(200)]

@@ -61,7 +61,7 @@ import torch
 from flywheel.agent import expert_episodes
 from flywheel.config import SftConfig, load_config
 from flywheel.envs import make_suite
-from flywheel.model import build_tiny_model, train_tokenizer
+from flywheel.model import build_tiny_policy
 from flywheel.training import data, losses
 from flywheel.training.loop import init_distributed, train
 from stages.expert import spread
@@ -102,16 +102,17 @@ class Run:
         self.losses.append(loss)
 
 
-def demo_examples(cfg: Any) -> tuple[list[data.Example], Any]:
-    """The demo's round-0 sft examples and its tokenizer, built without the store."""
+def demo_examples(cfg: Any) -> tuple[list[data.Example], Any, Any]:
+    """The demo's round-0 sft examples, its tokenizer and its random-init policy, built
+    without the store."""
     env = cfg.envs[0]
     suite = make_suite(env)
     tasks = suite.tasks("train", env.n_train, cfg.run.seed)
     episodes = expert_episodes(suite, spread(tasks, cfg.expert.n_tasks))
     # The init stage trains the tokenizer on the expert text and every train prompt.
     texts = [m["content"] for ep in episodes for m in ep["messages"]] + [t.prompt for t in tasks]
-    tokenizer = train_tokenizer(texts)
-    return encode_rows(pl.DataFrame(episodes), tokenizer), tokenizer
+    tokenizer, model = build_tiny_policy(texts, cfg.model.tiny, cfg.run.seed)
+    return encode_rows(pl.DataFrame(episodes), tokenizer), tokenizer, model
 
 
 def plan_steps(lengths: list[int], sc: SftConfig, seed: int, steps: int) -> Plan:
@@ -400,9 +401,8 @@ def main() -> None:
     if args.micro_batch is not None:
         update["micro_batch_size"] = args.micro_batch
     base = cfg.sft.model_copy(update=update)
-    examples, tokenizer = demo_examples(cfg)
+    examples, tokenizer, initial = demo_examples(cfg)
     tiny = cfg.model.tiny
-    initial = build_tiny_model(tokenizer, **tiny.model_dump(), seed=cfg.run.seed)
     lengths = [len(ex["input_ids"]) for ex in examples]
     import_s, first_s = warm_up(initial, examples, base, args)
     one_off = import_s + first_s

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -32,6 +33,9 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+if TYPE_CHECKING:
+    from flywheel.config import TinyModelConfig
 
 PAD, UNK, END = "<|pad|>", "<|unk|>", "<|end|>"
 SPECIAL_TOKENS = [PAD, UNK, "<|user|>", "<|assistant|>", "<|system|>", END]
@@ -148,6 +152,24 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
     return model
+
+
+def build_tiny_policy(
+    texts: Iterable[str], tiny: TinyModelConfig, seed: int
+) -> tuple[PreTrainedTokenizerBase, LlamaForCausalLM]:
+    """The embedded policy as ``model.tiny`` describes it: a tokenizer trained on ``texts`` and
+    a random-init model sized to it. The init stage and the benchmarks both build it here."""
+    tokenizer = train_tokenizer(texts, number_digits=tiny.number_digits)
+    model = build_tiny_model(
+        tokenizer,
+        hidden_size=tiny.hidden_size,
+        num_layers=tiny.num_layers,
+        num_heads=tiny.num_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=tiny.max_position_embeddings,
+        seed=seed,
+    )
+    return tokenizer, model
 
 
 def save_policy(

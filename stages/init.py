@@ -77,7 +77,7 @@ def run(
     if base:
         model, tokenizer = _load_base(base)
     else:
-        from flywheel.model import build_tiny_model, train_tokenizer
+        from flywheel.model import build_tiny_policy
 
         messages = store.read(expert, columns=["messages"]).column("messages")
         texts = pc.struct_field(pc.list_flatten(messages), "content").to_pylist()
@@ -89,17 +89,7 @@ def run(
             texts += [revision_turn(t, noop) for noop in _noops(cfg) for t in REVISION_THOUGHTS]
         if _reflects(cfg):  # the hints that open reflect's hinted turns
             texts += [hint for hints in _hints(cfg).values() for hint in hints]
-        tiny = cfg.model.tiny
-        tokenizer = train_tokenizer(texts, number_digits=tiny.number_digits)
-        model = build_tiny_model(
-            tokenizer,
-            hidden_size=tiny.hidden_size,
-            num_layers=tiny.num_layers,
-            num_heads=tiny.num_heads,
-            intermediate_size=tiny.intermediate_size,
-            max_position_embeddings=tiny.max_position_embeddings,
-            seed=cfg.train_seed,
-        )
+        tokenizer, model = build_tiny_policy(texts, cfg.model.tiny, cfg.train_seed)
     ref = write_checkpoint(
         w,
         model,

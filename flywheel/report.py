@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flywheel.config import BASELINES
-from flywheel.store import ArtifactError, ArtifactRef, Store
+from flywheel.store import ArtifactError, ArtifactRef, Store, host_label
 
 STATE_FILE = "flywheel.json"
 COLUMNS = (
@@ -292,4 +292,37 @@ def compare(store: Store, a_id: str, *b_ids: str) -> str:
             f"  {env:<8} {len(keys):>5} tasks   A {100 * ra:5.1f}%   B {100 * rb:5.1f}%   "
             f"A - B {100 * gain:+5.1f} ± {100 * se:.1f}{mark}{each}"
         )
+    lines += _host_note(store, refs)
     return "\n".join(lines)
+
+
+def lineage_hosts(store: Store, ref: ArtifactRef) -> set[str]:
+    """The machines (``host_label``) that wrote ``ref`` and every artifact it was made from, as
+    far as their manifests record one (manifests from before ``host`` was recorded add none)."""
+    hosts: set[str] = set()
+    seen: set[str] = set()
+    todo = [ref]
+    while todo:
+        r = todo.pop()
+        if r.id in seen:
+            continue
+        seen.add(r.id)
+        if r.manifest.get("host"):
+            hosts.add(host_label(r.manifest["host"]))
+        todo += [store.get(i) for i in r.manifest.get("inputs", []) if i not in seen]
+    return hosts
+
+
+def _host_note(store: Store, refs: list[ArtifactRef]) -> list[str]:
+    """A warning when the compared policies were made on different machines: one config can
+    train to different weights where the CPU's kernels round differently."""
+    by_ref = {ref.id: lineage_hosts(store, ref) for ref in refs}
+    every = set().union(*by_ref.values())
+    if len(every) < 2:
+        return []
+    lines = ["note: these evaluations' lineages were written on different machines, where one"]
+    lines.append(
+        "  config can train to different weights (docs/results.md, 'One config, two machines'):"
+    )
+    lines += [f"  {rid}: {'; '.join(sorted(h)) or 'not recorded'}" for rid, h in by_ref.items()]
+    return lines

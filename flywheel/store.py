@@ -45,9 +45,11 @@ import hashlib
 import io
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -115,6 +117,63 @@ def code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         sha = ""
     return f"{__version__}+{sha}" if sha else __version__
+
+
+# The CPU features that decide which matmul kernels torch and oneDNN run (and so how they round).
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+@cache
+def _cpu() -> tuple[str, tuple[str, ...]]:
+    """The CPU's model name and which of ``KERNEL_FLAGS`` it has (Linux; elsewhere the
+    platform's processor string and no flags)."""
+    name, flags = "", set[str]()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return name or platform.processor() or platform.machine(), tuple(
+        f for f in KERNEL_FLAGS if f in flags
+    )
+
+
+def host_info() -> dict[str, Any]:
+    """The machine that wrote an artifact, for its manifest: the CPU and its kernel features
+    (``KERNEL_FLAGS``); where the process has loaded torch, also its version, the kernels it
+    picked for that CPU (``AVX512``, ``AVX2``, ...), its thread count and the GPU in use.
+
+    The artifact id hashes none of it, though the same config can train to different weights
+    on CPUs whose kernels round differently (bf16 above all; docs/results.md, "One config, two
+    machines"): this is how a reader tells such artifacts apart. torch is not imported for it,
+    so data-only stages stay light."""
+    name, flags = _cpu()
+    host: dict[str, Any] = {"cpu": name, "cpu_flags": list(flags), "cores": os.cpu_count()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        host["torch"] = str(torch.__version__)
+        host["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        host["threads"] = torch.get_num_threads()
+        if torch.cuda.is_initialized():
+            host["gpu"] = torch.cuda.get_device_name()
+    return host
+
+
+def host_label(host: dict[str, Any]) -> str:
+    """One line for a manifest's ``host``: the CPU, its torch kernels and threads, the GPU."""
+    parts = [str(host.get("cpu", "?"))]
+    if host.get("cpu_flags"):
+        parts.append(" ".join(host["cpu_flags"]))
+    if "cpu_capability" in host:
+        parts.append(f"{host['cpu_capability']}, {host.get('threads', '?')} threads")
+    if "gpu" in host:
+        parts.append(str(host["gpu"]))
+    return ", ".join(parts)
 
 
 def read_parquet(fh: Any, columns: list[str] | None = None) -> pa.Table:
@@ -495,6 +554,7 @@ class ArtifactWriter:
             "config_hash": self.id.split("-", 1)[1].split(".")[0],
             "config": self.config,
             "code_version": code_version(),
+            "host": host_info(),
             "created": datetime.now(UTC).isoformat(timespec="microseconds"),
             "summary": summary or {},
             **(extra or {}),

@@ -5,7 +5,17 @@ import math
 
 import pytest
 
-from flywheel.report import add_gains, format_table, paired_standard_error, standard_error
+import flywheel.store
+from flywheel.report import (
+    add_gains,
+    compare,
+    format_table,
+    lineage_hosts,
+    paired_standard_error,
+    standard_error,
+)
+from flywheel.store import Store, host_info, host_label
+from tests.flywheel.test_html_report import _checkpoint, _evaluate
 
 
 def row(round_: int, policy: str, p: float, n: int = 1000) -> dict:
@@ -160,3 +170,24 @@ def test_a_baseline_evaluated_several_times_counts_as_its_mean():
     # One rft run: the round is measured against it, as before.
     add_gains([sft, r2, rft_b, more], outcomes)
     assert r2["gain_over_baselines"]["over"] == "sft_more"  # 33% beats the one rft run's 30%
+
+
+def test_compare_notes_lineages_written_on_different_machines(tmp_path, monkeypatch):
+    """The same config can train to different weights on another CPU: ``compare`` says when the
+    evaluated policies (or anything they were made from) were written on different machines."""
+    store = Store(str(tmp_path), run="r")
+    sft = _checkpoint(store, "sft", 0, [])
+    base = _evaluate(store, sft, 0)
+    rft = _checkpoint(store, "rft", 2, [sft.id])
+    here = _evaluate(store, rft, 2)
+    assert "note:" not in compare(store, here.id, base.id)
+    other = {"cpu": "Other CPU", "cpu_flags": ["avx2"], "cores": 2}
+    monkeypatch.setattr(flywheel.store, "host_info", lambda: other)
+    more = _checkpoint(store, "sft_more", 2, [sft.id])  # its parent was written here
+    monkeypatch.undo()
+    there = _evaluate(store, more, 2)
+    assert lineage_hosts(store, there) == {host_label(host_info()), "Other CPU, avx2"}
+    out = compare(store, here.id, there.id).splitlines()
+    assert out[-4].startswith("note: these evaluations' lineages were written on different")
+    assert out[-2] == f"  {here.id}: {host_label(host_info())}"
+    assert out[-1] == f"  {there.id}: " + "; ".join(sorted(lineage_hosts(store, there)))

@@ -53,6 +53,32 @@ def test_write_then_read_roundtrip(tmp_path):
     ]
 
 
+def test_manifest_records_the_machine_that_wrote_it(tmp_path):
+    """``host``: the CPU from /proc/cpuinfo (and its kernel flags), with torch loaded also the
+    kernels torch picked and its threads; the id does not depend on it."""
+    import torch
+
+    store = Store(str(tmp_path), run="r")
+    ref, _ = write_tasks(store)
+    host = ref.manifest["host"]
+    with open("/proc/cpuinfo") as fh:
+        info = fh.read()
+    name = next(
+        ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")
+    )
+    flags = set(
+        next(ln for ln in info.splitlines() if ln.startswith("flags")).split(":", 1)[1].split()
+    )
+    assert host["cpu"] == name and host["cores"] == os.cpu_count()
+    assert host["cpu_flags"] == [
+        f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags
+    ]
+    assert host["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert host["threads"] == torch.get_num_threads() and host["torch"] == torch.__version__
+    other = Store(str(tmp_path / "other"), run="r")
+    assert write_tasks(other)[0].id == ref.id
+
+
 def test_same_config_is_cache_hit_and_force_makes_new_version(tmp_path):
     store = Store(str(tmp_path))
     ref1, _ = write_tasks(store)

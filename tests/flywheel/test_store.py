@@ -1,5 +1,6 @@
 import json
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -62,13 +63,11 @@ def test_manifest_records_the_machine_that_wrote_it(tmp_path):
     ref, _ = write_tasks(store)
     host = ref.manifest["host"]
     with open("/proc/cpuinfo") as fh:
-        info = fh.read()
-    name = next(
-        ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")
-    )
-    flags = set(
-        next(ln for ln in info.splitlines() if ln.startswith("flags")).split(":", 1)[1].split()
-    )
+        fields = [ln.split(":", 1) for ln in fh.read().splitlines() if ":" in ln]
+    names = [v.strip() for k, v in fields if k.strip() == "model name"]
+    flags = next((set(v.split()) for k, v in fields if k.strip() == "flags"), set())
+    # aarch64 lists neither a model name nor x86 flags: the platform's name, and no flags
+    name = names[0] if names else platform.processor() or platform.machine()
     assert host["cpu"] == name and host["cores"] == os.cpu_count()
     assert host["cpu_flags"] == [
         f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags

@@ -63,7 +63,7 @@ from flywheel.html_plot import (
 )
 from flywheel.pareto import trajectory_ranks
 from flywheel.report import COLUMNS, _cell, collect, format_table, standard_error
-from flywheel.store import ArtifactError, ArtifactRef, Store
+from flywheel.store import ArtifactRef, Store
 from flywheel.trajectory import align_turn_ids
 
 MAX_REVISED = 5  # revised trajectories given a page, per round and env
@@ -105,22 +105,6 @@ def _frame(store: Store, ref: ArtifactRef, columns: list[str] | None = None) -> 
     return cast(pl.DataFrame, pl.from_arrow(store.read(ref, columns)))
 
 
-def _ancestors(store: Store, ids: Iterable[str]) -> list[ArtifactRef]:
-    """The given artifacts and everything they were made from (missing ones skipped)."""
-    seen: dict[str, ArtifactRef] = {}
-    todo = list(ids)
-    while todo:
-        art_id = todo.pop()
-        if art_id in seen:
-            continue
-        try:
-            seen[art_id] = store.get(art_id)
-        except ArtifactError:
-            continue
-        todo.extend(i for i in seen[art_id].inputs if isinstance(i, str))
-    return list(seen.values())
-
-
 def _newest(refs: Iterable[ArtifactRef]) -> ArtifactRef | None:
     ordered = sorted(refs, key=lambda r: (r.manifest.get("created", ""), r.id))
     return ordered[-1] if ordered else None
@@ -137,7 +121,7 @@ def _load(store: Store, rows: list[dict[str, Any]]) -> Data:
         )
     difficulty = pl.concat(parts).sort("eval_id", "env", "difficulty")
 
-    known = _ancestors(store, (r["eval_id"] for r in rows))
+    known = store.ancestors((r["eval_id"] for r in rows), skip_missing=True)
     explore: dict[int, tuple[ArtifactRef, pl.DataFrame]] = {}
     revised: dict[int, pl.DataFrame] = {}
     for rnd in sorted({ref.round for ref in known}):

@@ -299,18 +299,9 @@ def compare(store: Store, a_id: str, *b_ids: str) -> str:
 def lineage_hosts(store: Store, ref: ArtifactRef) -> set[str]:
     """The machines (``host_label``) that wrote ``ref`` and every artifact it was made from, as
     far as their manifests record one (manifests from before ``host`` was recorded add none)."""
-    hosts: set[str] = set()
-    seen: set[str] = set()
-    todo = [ref]
-    while todo:
-        r = todo.pop()
-        if r.id in seen:
-            continue
-        seen.add(r.id)
-        if r.manifest.get("host"):
-            hosts.add(host_label(r.manifest["host"]))
-        todo += [store.get(i) for i in r.manifest.get("inputs", []) if i not in seen]
-    return hosts
+    return {
+        host_label(r.manifest["host"]) for r in store.ancestors([ref.id]) if r.manifest.get("host")
+    }
 
 
 def _host_note(store: Store, refs: list[ArtifactRef]) -> list[str]:

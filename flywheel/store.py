@@ -51,6 +51,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cache
@@ -390,6 +391,27 @@ class Store:
             self.fs.get(self.fs._strip_protocol(ref.path) + "/", str(tmp) + "/", recursive=True)
             tmp.rename(cache_dir)
         return cache_dir
+
+    def ancestors(
+        self, ids: Iterable[str], skip_missing: bool = False
+    ) -> builtins.list[ArtifactRef]:
+        """The given artifacts and everything they were made from, each once, as a flat list
+        (``lineage`` is the nested tree ``flywheel artifacts lineage`` prints). A missing input
+        raises ``ArtifactError``, or is left out with ``skip_missing``."""
+        found: dict[str, ArtifactRef] = {}
+        todo = builtins.list(ids)
+        while todo:
+            art_id = todo.pop()
+            if art_id in found:
+                continue
+            try:
+                found[art_id] = self.get(art_id)
+            except ArtifactError:
+                if not skip_missing:
+                    raise
+                continue
+            todo.extend(i for i in found[art_id].inputs if isinstance(i, str))
+        return builtins.list(found.values())
 
     def lineage(self, artifact_id: str, _path: tuple[str, ...] = ()) -> dict[str, Any]:
         """The artifact and, recursively, everything it was made from."""

@@ -176,6 +176,28 @@ def test_fsspec_memory_store_and_lineage():
     assert store.local_path(b).joinpath("manifest.json").exists()
 
 
+def test_ancestors_lists_a_shared_input_once_and_names_a_missing_one(tmp_path):
+    # A diamond: b and c are made from a, d from both; a is one ancestor of d, not two.
+    store = Store(str(tmp_path), run="d")
+    a, _ = write_tasks(store, config={"a": 1})
+    refs = {}
+    for name, inputs in [("b", [a.id]), ("c", [a.id]), ("d", None)]:
+        inputs = inputs or [refs["b"].id, refs["c"].id]
+        w = store.writer("tasks", stage="expert", round=0, config={"n": name}, inputs=inputs)
+        w.write_shard(0, task_rows(1))
+        refs[name] = w.commit()
+    found = [r.id for r in store.ancestors([refs["d"].id])]
+    assert sorted(found) == sorted([a.id, refs["b"].id, refs["c"].id, refs["d"].id])
+    assert [r.id for r in store.ancestors([a.id, a.id])] == [a.id]
+    # An input whose artifact is gone: an error naming it, or left out when asked.
+    w = store.writer("tasks", stage="expert", round=0, config={"n": "e"}, inputs=["tasks-gone"])
+    w.write_shard(0, task_rows(1))
+    e = w.commit()
+    with pytest.raises(ArtifactError, match="tasks-gone"):
+        store.ancestors([e.id])
+    assert [r.id for r in store.ancestors([e.id], skip_missing=True)] == [e.id]
+
+
 def test_sigkill_during_write_never_exposes_partial_artifact(tmp_path):
     # A child writes shards slowly and is killed; the parent sees no artifact, then resumes.
     script = textwrap.dedent(

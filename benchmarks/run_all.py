@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bench_pareto": (["--n", "100000", "--python-n", "4000"], []),
     "bench_sandbox": (["--calls", "50"], []),
     "chat_encoding": (["--episodes", "32"], []),
+    "kernels": (["--steps", "4", "--variants", "native", "native again", "ATen avx2"], []),
     "mcts_tokens": (["--nodes", "8"], []),
     "multiturn": (["--episodes", "64"], []),
     "rollouts": (

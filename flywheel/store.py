@@ -122,6 +122,10 @@ def code_version() -> str:
 
 # The CPU features that decide which matmul kernels torch and oneDNN run (and so how they round).
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+# Environment variables that choose the CPU kernels torch runs, read when torch loads:
+# ATen's vector kernels (``ATEN_CPU_CAPABILITY=avx2``) and MKL's (``MKL_CBWR``, the matrix
+# products). Pinning both to AVX2 picks the same kernels on AVX2 and AVX-512 machines.
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 @cache
@@ -149,12 +153,16 @@ def host_info() -> dict[str, Any]:
     (``KERNEL_FLAGS``); where the process has loaded torch, also its version, the kernels it
     picked for that CPU (``AVX512``, ``AVX2``, ...), its thread count and the GPU in use.
 
-    The artifact id hashes none of it, though the same config can train to different weights
-    on CPUs whose kernels round differently (bf16 above all; docs/results.md, "One config, two
-    machines"): this is how a reader tells such artifacts apart. torch is not imported for it,
-    so data-only stages stay light."""
+    The artifact id hashes none of it, though the same config trains to different weights
+    where torch runs other kernels (float32 on CPU too: the vector width changes the order of a
+    sum; docs/results.md, "One config, two machines"): this is how a reader tells such artifacts
+    apart. ``kernel_env`` holds the ``KERNEL_ENV`` variables that are set. torch is not imported
+    for it, so data-only stages stay light."""
     name, flags = _cpu()
     host: dict[str, Any] = {"cpu": name, "cpu_flags": list(flags), "cores": os.cpu_count()}
+    pinned = {k: os.environ[k] for k in KERNEL_ENV if os.environ.get(k)}
+    if pinned:
+        host["kernel_env"] = pinned
     torch = sys.modules.get("torch")
     if torch is not None:
         host["torch"] = str(torch.__version__)
@@ -172,6 +180,8 @@ def host_label(host: dict[str, Any]) -> str:
         parts.append(" ".join(host["cpu_flags"]))
     if "cpu_capability" in host:
         parts.append(f"{host['cpu_capability']}, {host.get('threads', '?')} threads")
+    if host.get("kernel_env"):
+        parts.append(" ".join(f"{k}={v}" for k, v in sorted(host["kernel_env"].items())))
     if "gpu" in host:
         parts.append(str(host["gpu"]))
     return ", ".join(parts)

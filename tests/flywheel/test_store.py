@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_contracts import SchemaError
-from flywheel.store import ArtifactError, Store, read_parquet
+from flywheel.store import KERNEL_ENV, ArtifactError, Store, host_label, read_parquet
 
 
 def task_rows(n, split="train"):
@@ -74,8 +74,22 @@ def test_manifest_records_the_machine_that_wrote_it(tmp_path):
     ]
     assert host["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert host["threads"] == torch.get_num_threads() and host["torch"] == torch.__version__
+    assert "kernel_env" not in host or set(host["kernel_env"]) <= set(KERNEL_ENV)
     other = Store(str(tmp_path / "other"), run="r")
     assert write_tasks(other)[0].id == ref.id
+
+
+def test_manifest_records_kernel_pins_and_the_label_shows_them(tmp_path, monkeypatch):
+    """A pin of torch's CPU kernels set in the environment goes into ``host`` and its label."""
+    for key in KERNEL_ENV:
+        monkeypatch.delenv(key, raising=False)
+    store = Store(str(tmp_path), run="r")
+    assert "kernel_env" not in write_tasks(store)[0].manifest["host"]
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    host = write_tasks(store, force=True)[0].manifest["host"]
+    assert host["kernel_env"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+    assert "ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2" in host_label(host)
 
 
 def test_same_config_is_cache_hit_and_force_makes_new_version(tmp_path):

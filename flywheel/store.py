@@ -124,7 +124,8 @@ def code_version() -> str:
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 # Environment variables that choose the CPU kernels torch runs, read when torch loads:
 # ATen's vector kernels (``ATEN_CPU_CAPABILITY=avx2``) and MKL's (``MKL_CBWR``, the matrix
-# products). Pinning both to AVX2 picks the same kernels on AVX2 and AVX-512 machines.
+# products). Pinned to AVX2, an AVX-512 machine runs the kernels an AVX2 one does
+# (benchmarks/kernels.py shows what each setting changes).
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 

@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flywheel.store import KERNEL_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # name -> (environment variables set for the child, torch threads; None: the --threads value)
@@ -45,7 +47,6 @@ VARIANTS: dict[str, tuple[dict[str, str], int | None]] = {
     "ATen default (scalar)": ({"ATEN_CPU_CAPABILITY": "default"}, None),
     "MKL COMPATIBLE": ({"MKL_CBWR": "COMPATIBLE"}, None),
 }
-PINS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
 
 
 def child(steps: int, threads: int, out: Path) -> None:
@@ -64,22 +65,22 @@ def child(steps: int, threads: int, out: Path) -> None:
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(weights, out.with_suffix(".pt"))
     digest = hashlib.sha256(b"".join(w.numpy().tobytes() for w in weights.values()))
-    cpu_steps = max(len(run.cpu) - 1, 1)
     summary = {
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "loss": run.losses[-1],
         "digest": digest.hexdigest()[:12],
         # steps 2..N: step 1 carries one-off allocations
-        "cpu_per_step": (run.cpu[-1] - run.cpu[0]) / cpu_steps if len(run.cpu) > 1 else 0.0,
+        "cpu_per_step": run.steady_cpu() / (len(run.cpu) - 1) if len(run.cpu) > 1 else 0.0,
     }
     out.write_text(json.dumps(summary))
 
 
 def run_variant(name: str, steps: int, threads: int, folder: Path) -> dict[str, Any]:
-    """One variant in a fresh process with its pins set (and the others cleared)."""
+    """One variant in a fresh process with its pins set (and every other kernel pin of the
+    caller's environment cleared)."""
     pins, own_threads = VARIANTS[name]
-    env = {k: v for k, v in os.environ.items() if k not in PINS} | pins
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_ENV} | pins
     env.setdefault("HF_HUB_OFFLINE", "1")
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"{hashlib.sha1(name.encode()).hexdigest()[:8]}.json"
@@ -137,16 +138,19 @@ def main() -> None:
             r = run_variant(name, args.steps, args.threads, Path(tmp))
             first = first or r
             diff = largest_difference(first["weights"], r["weights"])
-            speed = first["cpu_per_step"] / r["cpu_per_step"] if r["cpu_per_step"] else 0.0
+            # CPU seconds compare speeds only at one thread count (2 threads count both)
+            same = r["threads"] == first["threads"] and r["cpu_per_step"]
+            speed = f"{first['cpu_per_step'] / r['cpu_per_step']:.2f}x" if same else "-"
             print(
                 f"{name:<24} {r['capability']:>8} {r['threads']:>3} {r['loss']:>18.15f} "
                 f"{r['digest']:>12} {'yes' if r['digest'] == first['digest'] else 'no':>5} "
-                f"{diff:>9.2e} {r['cpu_per_step']:>10.3f} {speed:>7.2f}x",
+                f"{diff:>9.2e} {r['cpu_per_step']:>10.3f} {speed:>8}",
                 flush=True,
             )
     print(
         "equal: the final weights are the first variant's bit for bit. vs first: the first "
-        "variant's CPU seconds per step over this one's (above 1: this one is faster)."
+        "variant's CPU seconds per step over this one's (above 1: this one is faster; '-' at "
+        "another thread count)."
     )
 
 

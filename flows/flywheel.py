@@ -182,6 +182,17 @@ def bootstrap(plan: Plan) -> dict[str, ArtifactRef]:
 
 
 @dataclass
+class RoundData:
+    """What a round's training steps read: its start policy pi_r and the data pi_r produced."""
+
+    start: ArtifactRef  # pi_r, where the round's first training step starts
+    own: list[ArtifactRef]  # trajectories the round's sft reads (with replay, earlier rounds' too)
+    pairs: ArtifactRef | None  # pareto's DPO pairs (None without explore)
+    groups: ArtifactRef | None  # pareto's GRPO groups
+    explored: ArtifactRef | None  # None when iteration.data has no explore
+
+
+@dataclass
 class RoundResult:
     policy: ArtifactRef  # pi_{r+1}
     explored: ArtifactRef | None  # None when iteration.data has no explore
@@ -189,6 +200,7 @@ class RoundResult:
     spliced: ArtifactRef | None = None  # revisions and good paths, with mcts in iteration.data
     reflected: ArtifactRef | None = None  # hinted revisions, with reflect in iteration.data
     resampled: ArtifactRef | None = None  # grpo's own explore, with grpo.resample after a step
+    data: RoundData | None = None  # what the training steps read (iteration.repeats trains again)
 
 
 def one_round(
@@ -200,15 +212,14 @@ def one_round(
 ) -> RoundResult:
     """Round r >= 1: the round's data from pi_r (explore -> pairs and groups, and with reflect
     its failures -> hinted revisions; mcts -> trees -> revisions and good paths, as
-    iteration.data says), the configured training steps (each from the previous step's
-    checkpoint), then pi_{r+1} evaluated. With grpo.resample, a grpo step after another step
-    first explores again from the policy it starts from and trains on those groups. With
-    sft.replay, the round's sft also reads the ``earlier`` rounds' explorations."""
+    iteration.data says), the configured training steps (``train_round``), then pi_{r+1}
+    evaluated. With sft.replay, the round's sft also reads the ``earlier`` rounds'
+    explorations."""
     kinds = plan.cfg.iteration.data
     # With resample (which the config allows only after a step before grpo) the round explores
     # twice; ``stage explore`` (or pareto) stops at the second.
     again = plan.cfg.grpo.resample
-    explored = spliced = reflected = resampled = pairs = groups = None
+    explored = spliced = reflected = pairs = groups = None
     if "explore" in kinds:
         explored = _step(plan, "explore", round, policy, boot["train"], last=not again)
         mined = _run(plan, "pareto", round, explored, boot["expert"], last=not again)
@@ -222,9 +233,23 @@ def one_round(
     own = [ref for ref in (explored, reflected, spliced) if ref is not None]
     if plan.cfg.sft.replay:
         own += explorations(earlier)
+    data = RoundData(policy, own, pairs, groups, explored)
+    policy, trained, resampled = train_round(plan, round, data, boot)
+    return RoundResult(policy, explored, trained, spliced, reflected, resampled, data)
+
+
+def train_round(
+    plan: Plan, round: int, data: RoundData, boot: dict[str, ArtifactRef]
+) -> tuple[ArtifactRef, list[ArtifactRef], ArtifactRef | None]:
+    """The round's training steps (each from the previous step's checkpoint) on ``data``, then
+    the last checkpoint evaluated: (that checkpoint, every step's checkpoint, grpo's resampled
+    exploration or None). With grpo.resample, a grpo step after another step first explores
+    again from the policy it starts from and trains on those groups."""
+    policy, groups = data.start, data.groups
+    resampled = None
     trained: list[ArtifactRef] = []
     for name in plan.cfg.iteration.steps:
-        if name == "grpo" and again and trained:
+        if name == "grpo" and plan.cfg.grpo.resample and trained:
             # The round's groups were sampled before the earlier steps changed the policy:
             # sample them again, same tasks and settings, from the policy grpo starts from.
             resampled = _step(plan, "explore", round, policy, boot["train"])
@@ -233,19 +258,37 @@ def one_round(
             groups = mined[1]
         # dpo and grpo run only with explore (the config refuses them otherwise); grpo reads the
         # explore and expert artifacts only with MIX on (grpo.expert_weight > 0).
-        data: dict[str, tuple[StageInput | None, ...]] = {
-            "sft": (own + [boot["expert"]] if plan.cfg.sft.with_expert else own,),
-            "dpo": (pairs,),
-            "grpo": (groups, resampled or explored, boot["expert"]),
+        inputs_of: dict[str, tuple[StageInput | None, ...]] = {
+            "sft": (data.own + [boot["expert"]] if plan.cfg.sft.with_expert else data.own,),
+            "dpo": (data.pairs,),
+            "grpo": (groups, resampled or data.explored, boot["expert"]),
         }
-        inputs = [x for x in data[name] if x is not None]
-        assert len(inputs) == len(data[name]), f"{name} lacks its data"
+        inputs = [x for x in inputs_of[name] if x is not None]
+        assert len(inputs) == len(inputs_of[name]), f"{name} lacks its data"
         policy = _step(
             plan, name, round, policy, *inputs, val_tasks=boot["val"], val_demos=boot["expert"]
         )
         trained.append(policy)
     _step(plan, "evaluate", round, policy, boot["test"])
-    return RoundResult(policy, explored, trained, spliced, reflected, resampled)
+    return policy, trained, resampled
+
+
+def repeat_last_round(
+    plan: Plan, round: int, last: RoundResult, boot: dict[str, ArtifactRef]
+) -> None:
+    """iteration.repeats > 1: the last round's training steps again on the same data, with
+    training seeds train_seed + 1, + 2, ..., each evaluated (the report averages them task by
+    task). The first repeat is the round itself, so a run's ids do not depend on repeats."""
+    assert last.data is not None
+    seed, n = plan.cfg.train_seed, plan.cfg.iteration.repeats
+    for k in range(1, n):
+        say(
+            f"[round {round}] repeat {k + 1} of {n}: the round's training steps, train seed {seed + k}"
+        )
+        run = plan.cfg.run.model_copy(update={"train_seed": seed + k})
+        train_round(
+            replace(plan, cfg=plan.cfg.model_copy(update={"run": run})), round, last.data, boot
+        )
 
 
 def explorations(rounds: list[RoundResult]) -> list[ArtifactRef]:
@@ -320,6 +363,8 @@ def _walk(plan: Plan, rounds: int, with_baselines: bool = True) -> StageResult |
             policy = done[-1].policy
         if with_baselines and done:
             baselines(plan, rounds, boot, done)
+            if plan.stop_at is None:  # a whole run, not a stage rerun
+                repeat_last_round(plan, rounds, done[-1], boot)
         return policy
     except StopAfter as stop:
         return stop.ref

@@ -802,6 +802,11 @@ class IterationConfig(Section):
         min_length=1,
         description="Training steps of every round after the bootstrap, in order; each starts from the previous step's checkpoint (e.g. [dpo], [grpo], [sft, dpo]).",
     )
+    repeats: int = Field(
+        default=1,
+        ge=1,
+        description="Train the last round's steps this many times on that round's data, with training seeds run.train_seed (else run.seed), + 1, ..., and evaluate each; the report measures the last round by the task-by-task mean of its repeats, as it does a baseline's repeats (one training run's test success moves by several points with its data order alone). Only a whole `flywheel run` trains them, after the baselines; the first is the round itself.",
+    )
 
     @model_validator(mode="after")
     def _data_for_steps(self) -> IterationConfig:

@@ -155,8 +155,15 @@ def _load(store: Store, rows: list[dict[str, Any]]) -> Data:
 
 def _main_series(rows: list[dict[str, Any]], env: str) -> list[dict[str, Any]]:
     """The policy of each round for ``env``: round 0's SFT policy, then each round's output
-    (the last evaluation of a round when there are several)."""
-    by_round = {r["round"]: r for r in rows if r["env"] == env and r["policy"] not in REFERENCES}
+    (the last evaluation of a round when there are several; of a round's repeats, the first,
+    which is the run's own)."""
+    by_round = {
+        r["round"]: r
+        for r in rows
+        if r["env"] == env
+        and r["policy"] not in REFERENCES
+        and r.get("repeats", {}).get("of", [r["eval_id"]])[0] == r["eval_id"]
+    }
     return [by_round[r] for r in sorted(by_round)]
 
 

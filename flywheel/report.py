@@ -21,7 +21,10 @@ one training run (seed) to the next is what a second seed measures.
     flywheel report --json   # one object per policy and env (policy = init, sft, dpo, ..., sft_more, rft)
 
 A baseline's row also carries ``seed``, the seed of its data order (its checkpoint's), since
-with ``repeats`` one baseline has several rows; the table shows it as ``rft (seed 1)``.
+with ``repeats`` one baseline has several rows; the table shows it as ``rft (seed 1)``. A round
+trained several times (``iteration.repeats``) likewise has a row per repeat with its training
+seed, and each of them carries ``repeats``: the repeats' mean success, the eval ids it averages
+(``of``) and the mean's gains, measured task by task like a row's (one more line of gains).
 """
 
 from __future__ import annotations
@@ -120,8 +123,30 @@ def collect(store: Store) -> list[dict[str, Any]]:
             if "success_rate" in row:
                 row["success_se"] = standard_error(row["success_rate"], row["n_tasks"])
             rows.append(row)
+    _seed_repeated_rounds(store, rows)
     add_gains(rows, outcomes)
     return rows
+
+
+def _seed_repeated_rounds(store: Store, rows: list[dict[str, Any]]) -> None:
+    """Give each row of a round evaluated several times (iteration.repeats) the training seed of
+    its checkpoint, in place, so the table says which repeat is which."""
+    for group in _round_repeats(rows):
+        for row in group:
+            if row.get("checkpoint"):
+                seed = store.get(row["checkpoint"]).manifest.get("config", {}).get("seed")
+                if seed is not None:
+                    row["seed"] = seed
+
+
+def _round_repeats(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Rows of one round, policy and env that were evaluated more than once (a round's repeats,
+    or its reruns), each group in the rows' order."""
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["round"] >= 1 and row["policy"] not in BASELINES and "success_rate" in row:
+            groups.setdefault((row["round"], row["policy"], row["env"]), []).append(row)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def _paired(
@@ -200,6 +225,18 @@ def add_gains(rows: list[dict[str, Any]], outcomes: Outcomes | None = None) -> N
                 row["gain_over_sft"] = _gain(row, sft[-1], outcomes)
             if best is not None:
                 row["gain_over_baselines"] = _gain(row, best, outcomes)
+        for group in _round_repeats(mine):
+            # A round trained several times (iteration.repeats): its mean, measured like a row,
+            # filed on each repeat's row.
+            mean = mean_of_repeats(group, outcomes)
+            summary = {k: mean[k] for k in ("policy", "success_rate", "success_se", "n_tasks")}
+            summary["of"] = [r.get("eval_id", "") for r in group]
+            if sft:
+                summary["gain_over_sft"] = _gain(mean, sft[-1], outcomes)
+            if best is not None:
+                summary["gain_over_baselines"] = _gain(mean, best, outcomes)
+            for row in group:
+                row["repeats"] = summary
 
 
 def _cell(row: dict[str, Any], col: str) -> str:
@@ -225,12 +262,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     gains = [
         _gain_line(row) for row in rows if "gain_over_sft" in row or "gain_over_baselines" in row
     ]
+    means = {tuple(r["repeats"]["of"]): r for r in rows if "repeats" in r}
+    gains += [_gain_line({**r, **r["repeats"]}) for r in means.values()]
     if gains:
         paired = [
-            row[key]["paired"]
+            g[key]["paired"]
             for row in rows
+            for g in (row, row.get("repeats", {}))
             for key in ("gain_over_sft", "gain_over_baselines")
-            if key in row
+            if key in g
         ]
         if all(paired):
             how = "paired over the same test tasks"
@@ -257,7 +297,10 @@ def _gain_line(row: dict[str, Any]) -> str:
             parts.append(
                 f"vs {g['over']:<8} {100 * g['gain']:+5.1f} ± {100 * g['se']:.1f}{mark}{pair}"
             )
-    return f"  round {row['round']} {row['policy']:<5} {row['env']:<8} " + "   ".join(parts)
+    name = row["policy"]
+    if "seed" in row and "of" not in row:  # one of a round's repeats (a mean has "of")
+        name += f" (seed {row['seed']})"
+    return f"  round {row['round']} {name:<5} {row['env']:<8} " + "   ".join(parts)
 
 
 def compare(store: Store, a_id: str, *b_ids: str) -> str:

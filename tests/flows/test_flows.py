@@ -132,6 +132,39 @@ def test_rft_repeats_train_the_next_data_orders_and_the_report_takes_their_mean(
         assert g["over"] == "sft_more"
 
 
+def test_iteration_repeats_train_the_last_round_again_and_the_report_takes_their_mean(
+    tiny_flywheel,
+):
+    """iteration.repeats=2: the run's own stages are cache hits (repeats changes no id), then the
+    last round's training steps train again from the same start policy on the same data with the
+    next training seed, and the new checkpoint is evaluated; the report averages the two."""
+    printed, _, rows = run_flywheel([*tiny_flywheel.overrides, "iteration.repeats=2"], rounds=1)
+    lines = stage_lines(printed)
+    steps = load_config(None, tiny_flywheel.overrides).iteration.steps
+    before = [(r, s) for r, s, _, _ in tiny_flywheel.lines]
+    assert [(r, s) for r, s, _, _ in lines] == [*before, *[(1, s) for s in steps], (1, "evaluate")]
+    assert all(hit for *_, hit, _ in lines[: len(before)])
+    assert not any(hit for *_, hit, _ in lines[len(before) :]), printed
+    assert "[round 1] repeat 2 of 2: the round's training steps, train seed 1" in printed
+    store = Store(str(tiny_flywheel.root / "store"), "tiny")
+    last = steps[-1]
+    first, again = (store.get(i) for r, s, _, i in lines if r == 1 and s == last)
+    assert again.manifest["config"]["seed"] == first.manifest["config"]["seed"] + 1
+    if len(steps) == 1:  # the same start policy and data
+        assert again.inputs == first.inputs
+    ours = [row for row in rows if row["round"] == 1 and row["policy"] not in BASELINES]
+    assert len(ours) == 2 and [row["seed"] for row in ours] == [0, 1]
+    mean = ours[0]["repeats"]
+    assert mean["of"] == [row["eval_id"] for row in ours]
+    assert mean["success_rate"] == pytest.approx(sum(r["success_rate"] for r in ours) / 2)
+    assert "gain_over_sft" in mean and "(mean of 2)" in format_table(rows)
+    # A stage rerun stops at its stage: no repeats.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        stage_flow("evaluate", round=1, overrides=[*tiny_flywheel.overrides, "iteration.repeats=2"])
+    assert "repeat 2 of 2" not in out.getvalue()
+
+
 def test_no_training_or_selection_stage_reads_the_test_split(tiny_flywheel):
     """Walk every artifact's lineage: the test tasks reach evaluate only."""
     store = Store(str(tiny_flywheel.root / "store"), "tiny")

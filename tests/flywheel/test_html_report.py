@@ -483,3 +483,19 @@ def test_the_tiny_flywheel_run(tiny_flywheel, tmp_path):
         and str(r["sample_idx"]) == rows_of(best.by_id("facts"))[6][1].content()
     ]
     assert [i.attrs["data-loss"] for i in best.find("li", cls="msg")] == [str(m["loss"]).lower() for m in row["messages"]]  # fmt: skip
+
+
+def test_the_line_of_rounds_takes_a_repeated_rounds_own_run():
+    """iteration.repeats: round 2 evaluated twice; the line through the rounds takes the first
+    (the run's own checkpoint), round 0 its last evaluation (the SFT policy after init)."""
+    from flywheel.html_report import _main_series
+
+    def r(round_: int, policy: str, eval_id: str, **extra) -> dict:
+        return {"round": round_, "policy": policy, "env": "arith", "eval_id": eval_id, **extra}
+
+    mean = {"of": ["e2a", "e2b"]}
+    rows = [
+        r(0, "init", "e0i"), r(0, "sft", "e0"), r(1, "sft", "e1"),
+        r(2, "sft", "e2a", repeats=mean), r(2, "sft", "e2b", repeats=mean), r(2, "rft", "eb"),
+    ]  # fmt: skip
+    assert [x["eval_id"] for x in _main_series(rows, "arith")] == ["e0", "e1", "e2a"]

@@ -172,6 +172,49 @@ def test_a_baseline_evaluated_several_times_counts_as_its_mean():
     assert r2["gain_over_baselines"]["over"] == "sft_more"  # 33% beats the one rft run's 30%
 
 
+def test_a_round_trained_several_times_is_measured_by_its_mean():
+    """iteration.repeats=2: round 2 trained twice on its data, 36% and 40%. Each repeat keeps its
+    own row and gains; both carry the repeats' task-by-task mean (38%) and its gains, paired,
+    over the SFT policy and over the mean of two rft runs; the table prints it as one more line."""
+    sft = {**row(0, "sft", 0.30), "eval_id": "e-sft"}
+    r2a = {**row(2, "sft", 0.36), "eval_id": "e-r2a", "seed": 0}
+    r2b = {**row(2, "sft", 0.40), "eval_id": "e-r2b", "seed": 1}
+    rft_a = {**row(2, "rft", 0.34), "eval_id": "e-a"}
+    rft_b = {**row(2, "rft", 0.30), "eval_id": "e-b"}
+    outcomes = {
+        "e-sft": outcomes_of(range(0, 300)),
+        "e-r2a": outcomes_of(range(0, 360)),
+        "e-r2b": outcomes_of(range(40, 440)),
+        "e-a": outcomes_of(range(0, 340)),
+        "e-b": outcomes_of(range(0, 300)),
+    }
+    rows = [sft, r2a, r2b, rft_a, rft_b]
+    add_gains(rows, outcomes)
+    assert r2a["gain_over_sft"]["gain"] == pytest.approx(0.06)  # each repeat's own gain
+    assert r2b["gain_over_sft"]["gain"] == pytest.approx(0.10)
+    mean = r2a["repeats"]
+    assert r2b["repeats"] is mean and "repeats" not in sft and "repeats" not in rft_a
+    assert mean["of"] == ["e-r2a", "e-r2b"] and mean["success_rate"] == pytest.approx(0.38)
+    assert mean["success_se"] == pytest.approx(standard_error(0.38, 1000))
+    g = mean["gain_over_sft"]
+    assert g["paired"] is True and g["gain"] == pytest.approx(0.08)
+    # d = mean(r2a, r2b) - sft per task: -0.5 on 0-39 (r2b misses them), +1 on 300-359 (both
+    # solve them), +0.5 on 360-439 (r2b alone), 0 elsewhere.
+    d = [-0.5] * 40 + [1.0] * 60 + [0.5] * 80 + [0.0] * 820
+    m = sum(d) / 1000
+    assert g["se"] == pytest.approx(math.sqrt((sum(x * x for x in d) / 1000 - m**2) / 1000))
+    b = mean["gain_over_baselines"]
+    assert b["over"] == "rft (mean of 2)" and b["gain"] == pytest.approx(0.38 - 0.32)
+    table = format_table(rows)
+    assert "round 2 sft (seed 1) arith" in table
+    assert "round 2 sft (mean of 2) arith    vs sft       +8.0 ±" in table
+    assert table.count("vs rft (mean of 2)") == 3  # each repeat and their mean
+    # One evaluation of the round: no mean.
+    single = [dict(sft), {**row(2, "sft", 0.36), "eval_id": "e-r2a"}, dict(rft_a)]
+    add_gains(single, outcomes)
+    assert not any("repeats" in r for r in single) and "mean of" not in format_table(single)
+
+
 def test_compare_notes_lineages_written_on_different_machines(tmp_path, monkeypatch):
     """The same config can train to different weights on another CPU: ``compare`` says when the
     evaluated policies (or anything they were made from) were written on different machines."""

@@ -101,6 +101,7 @@ class Plan:
     stop_at: tuple[str, int] | None = None
     parent_run: str | None = None
     evaluations: list[str] = field(default_factory=list)
+    repeat: bool = False  # a repeat of the last round (iteration.repeats): tracked apart
 
 
 @task(cache_policy=NONE, task_run_name="{name}-round-{round}")
@@ -128,7 +129,7 @@ def _run(
         cached = ref.id not in plan.store.committed
         label = "cache hit" if cached else f"{took:7.1f}s"
         say(f"[round {round}] {name:<9} {label:>9}  {ref.id:<22} {_headline(ref)}")
-        plan.tracker.log_stage(plan.store, ref, cached)
+        plan.tracker.log_stage(plan.store, ref, cached, repeat=plan.repeat)
         if name == "evaluate":
             plan.evaluations.append(ref.id)
     if plan.stop_at == (name, round) and last:
@@ -286,9 +287,8 @@ def repeat_last_round(
             f"[round {round}] repeat {k + 1} of {n}: the round's training steps, train seed {seed + k}"
         )
         run = plan.cfg.run.model_copy(update={"train_seed": seed + k})
-        train_round(
-            replace(plan, cfg=plan.cfg.model_copy(update={"run": run})), round, last.data, boot
-        )
+        again = replace(plan, cfg=plan.cfg.model_copy(update={"run": run}), repeat=True)
+        train_round(again, round, last.data, boot)
 
 
 def explorations(rounds: list[RoundResult]) -> list[ArtifactRef]:

@@ -349,10 +349,13 @@ class Tracker:
                 self._mlflow.log_artifact(run_id, str(path), artifact_path)
 
     # -- stages ----------------------------------------------------------------------------------
-    def log_stage(self, store: Store, ref: ArtifactRef, cached: bool) -> None:
+    def log_stage(self, store: Store, ref: ArtifactRef, cached: bool, repeat: bool = False) -> None:
         """Log one stage's artifact into the run tree begun by ``begin``: reuse its run when one
         exists, else create it under its round's run; register checkpoints; add evaluations to
-        the learning curve and to their checkpoint's model version."""
+        the learning curve and to their checkpoint's model version. ``repeat``: a stage of a
+        repeat of the last round (iteration.repeats), whose evaluation is a point of its own
+        series (``arith/repeat/success_rate``), leaving the curve and the round's run the
+        run's own."""
         if not self.enabled:
             return
         fw = self._flywheel
@@ -362,11 +365,11 @@ class Tracker:
             run_id = existing.info.run_id
             fw.last_reused = existing
         else:
-            run_id = self._new_stage_run(fw, store, ref, cached)
+            run_id = self._new_stage_run(fw, store, ref, cached, repeat)
         if ref.kind == "checkpoints":
             self._register(fw, store, ref, run_id)
         if ref.kind == "eval":
-            self._log_evaluation(fw, ref)
+            self._log_evaluation(fw, ref, repeat)
 
     def _stage_run(self, store: Store, ref: ArtifactRef) -> Run | None:
         """The run an earlier flow made for this artifact of this store, if any (not deleted)."""
@@ -376,7 +379,9 @@ class Tracker:
         mine = [r for r in runs if r.data.tags.get("store") == _store_key(store)]
         return min(mine, key=lambda r: r.info.start_time) if mine else None
 
-    def _new_stage_run(self, fw: _Flywheel, store: Store, ref: ArtifactRef, cached: bool) -> str:
+    def _new_stage_run(
+        self, fw: _Flywheel, store: Store, ref: ArtifactRef, cached: bool, repeat: bool = False
+    ) -> str:
         round_run = self.round_run(self._parent(fw), ref.round)
         run_id = self._create_run(
             ref.stage,
@@ -388,11 +393,12 @@ class Tracker:
                 "round": str(ref.round),
                 "kind": ref.kind,
                 "store": _store_key(store),
+                **({"repeat": "true"} if repeat else {}),
             },
         )
         self.log_params(run_id, ref.manifest.get("config", {}))
         self.log_metrics(run_id, ref.summary, step=ref.round)
-        if ref.kind == "eval" and ref.manifest.get("policy_stage") not in REFERENCES:
+        if ref.kind == "eval" and ref.manifest.get("policy_stage") not in REFERENCES and not repeat:
             self.log_metrics(round_run, ref.summary, step=ref.round)
         folder = store.local_path(ref) if ref.kind == "checkpoints" or store.local else None
         if folder is not None and (folder / TRAIN_LOG).exists():
@@ -407,9 +413,10 @@ class Tracker:
         self.end(run_id)
         return run_id
 
-    def _log_evaluation(self, fw: _Flywheel, ref: ArtifactRef) -> None:
-        """The eval's headline metrics: a point of the parent's curve (or a flat reference line
-        for init and the baselines), and tags on the evaluated checkpoint's model version."""
+    def _log_evaluation(self, fw: _Flywheel, ref: ArtifactRef, repeat: bool = False) -> None:
+        """The eval's headline metrics: a point of the parent's curve (a repeat's: of the
+        ``ENV/repeat/METRIC`` series; init and the baselines: a flat reference line), and tags
+        on the evaluated checkpoint's model version."""
         from mlflow.entities import Metric
 
         values = headline(ref)
@@ -420,6 +427,11 @@ class Tracker:
                 Metric(f"{k.split('/', 1)[0]}/{policy}/{k.split('/', 1)[1]}", v, now, step)
                 for k, v in values.items()
                 for step in range(fw.rounds + 1)
+            ]
+        elif repeat:
+            points = [
+                Metric(f"{k.split('/', 1)[0]}/repeat/{k.split('/', 1)[1]}", v, now, ref.round)
+                for k, v in values.items()
             ]
         else:
             points = [Metric(k, v, now, ref.round) for k, v in values.items()]

@@ -19,6 +19,7 @@ from flywheel.config import BASELINES, load_config
 from flywheel.report import format_table
 from flywheel.store import Store
 from tests.conftest import run_flywheel, stage_lines, tiny_overrides, write_tiny_yaml
+from tests.flywheel.test_tracking import runs_by_id
 
 BOOTSTRAP = ["tasks", "tasks", "tasks", "expert", "init", "evaluate", "sft", "evaluate"]
 BASELINE_LINES = ["sft_more", "evaluate", "rft", "evaluate"]
@@ -133,12 +134,21 @@ def test_rft_repeats_train_the_next_data_orders_and_the_report_takes_their_mean(
 
 
 def test_iteration_repeats_train_the_last_round_again_and_the_report_takes_their_mean(
-    tiny_flywheel,
+    tiny_flywheel, tmp_path
 ):
-    """iteration.repeats=2: the run's own stages are cache hits (repeats changes no id), then the
-    last round's training steps train again from the same start policy on the same data with the
-    next training seed, and the new checkpoint is evaluated; the report averages the two."""
-    printed, _, rows = run_flywheel([*tiny_flywheel.overrides, "iteration.repeats=2"], rounds=1)
+    """iteration.repeats=2 (on a copy of the store): the run's own stages are cache hits
+    (repeats changes no id), then the last round's training steps train again from the same
+    start policy on the same data with the next training seed, and the new checkpoint is
+    evaluated; the report averages the two, and MLflow tells the repeat apart."""
+    shutil.copytree(tiny_flywheel.root / "store", tmp_path / "store")
+    overrides = [
+        *tiny_flywheel.overrides,
+        f"run.store={tmp_path / 'store'}",
+        f"run.work_dir={tmp_path / 'work'}",
+        "iteration.repeats=2",
+        "tracking.enabled=true",
+    ]
+    printed, _, rows = run_flywheel(overrides, rounds=1)
     lines = stage_lines(printed)
     steps = load_config(None, tiny_flywheel.overrides).iteration.steps
     before = [(r, s) for r, s, _, _ in tiny_flywheel.lines]
@@ -146,7 +156,7 @@ def test_iteration_repeats_train_the_last_round_again_and_the_report_takes_their
     assert all(hit for *_, hit, _ in lines[: len(before)])
     assert not any(hit for *_, hit, _ in lines[len(before) :]), printed
     assert "[round 1] repeat 2 of 2: the round's training steps, train seed 1" in printed
-    store = Store(str(tiny_flywheel.root / "store"), "tiny")
+    store = Store(str(tmp_path / "store"), "tiny")
     last = steps[-1]
     first, again = (store.get(i) for r, s, _, i in lines if r == 1 and s == last)
     assert again.manifest["config"]["seed"] == first.manifest["config"]["seed"] + 1
@@ -158,10 +168,15 @@ def test_iteration_repeats_train_the_last_round_again_and_the_report_takes_their
     assert mean["of"] == [row["eval_id"] for row in ours]
     assert mean["success_rate"] == pytest.approx(sum(r["success_rate"] for r in ours) / 2)
     assert "gain_over_sft" in mean and "(mean of 2)" in format_table(rows)
+    # MLflow: the repeat's stage runs are tagged, and its evaluation is a series of its own.
+    cfg = load_config(None, overrides)
+    runs = runs_by_id(cfg.tracking_uri(), cfg.tracking.experiment)
+    tagged = {r.data.tags["artifact_id"] for r in runs.values() if r.data.tags.get("repeat")}
+    assert tagged == {i for *_, i in lines[len(before) :]}
     # A stage rerun stops at its stage: no repeats.
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        stage_flow("evaluate", round=1, overrides=[*tiny_flywheel.overrides, "iteration.repeats=2"])
+        stage_flow("evaluate", round=1, overrides=overrides)
     assert "repeat 2 of 2" not in out.getvalue()
 
 

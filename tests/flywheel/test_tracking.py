@@ -211,6 +211,42 @@ def test_tracker_logs_the_learning_curve_and_reuses_runs_of_logged_artifacts(tmp
     assert len(client.search_model_versions(f"name = '{model_name('unit')}'")) == 6
 
 
+def test_a_repeat_of_the_last_round_is_a_series_of_its_own(tmp_path):
+    """iteration.repeats: round 2 trained again (dpo-rep, 0.75) after the run's own round 2
+    (dpo-ddd, 0.625). The learning curve and the round-2 run keep the run's own numbers; the
+    repeat's evaluation is a point of ``arith/repeat/success_rate`` at step 2, and its stage
+    runs are tagged ``repeat``."""
+    uri = f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}"
+    store = Store(str(tmp_path / "store"), "unit")
+    rates = {**RATES, "dpo-rep": 0.75}
+    refs = fake_refs(tmp_path / "store", rates)
+    (ckpt, evaluation) = [r for r in refs if r.id.endswith("dpo-ddd")]
+    folder = tmp_path / "store" / "dpo-rep"
+    folder.mkdir()
+    repeat = [
+        ArtifactRef("dpo-rep", "checkpoints", "dpo", 2, str(folder), ckpt.manifest),
+        ArtifactRef(
+            "evaluate-dpo-rep", "eval", "evaluate", 2, "",
+            {**evaluation.manifest, "policy": "dpo-rep", "inputs": ["dpo-rep"],
+             "summary": {**evaluation.summary, "arith/success_rate": 0.75}},
+        ),
+    ]  # fmt: skip
+    tracker = Tracker(uri, EXPERIMENT)
+    tracker.begin("unit", run="unit", rounds=2, params={})
+    for ref in refs:
+        tracker.log_stage(store, ref, cached=False)
+    for ref in repeat:
+        tracker.log_stage(store, ref, cached=False, repeat=True)
+    parent = tracker.finish("FINISHED")
+    assert history(uri, parent, "arith/success_rate") == [(0, 0.25), (1, 0.5), (2, 0.625)]
+    assert history(uri, parent, "arith/repeat/success_rate") == [(2, 0.75)]
+    runs = runs_by_id(uri, EXPERIMENT)
+    (round2,) = [r for r in runs.values() if r.info.run_name == "round-2"]
+    assert round2.data.metrics["arith/success_rate"] == 0.625
+    tagged = {r.data.tags["artifact_id"] for r in runs.values() if r.data.tags.get("repeat")}
+    assert tagged == {"dpo-rep", "evaluate-dpo-rep"}
+
+
 def test_a_search_stage_run_carries_its_tree_metrics_and_its_picture(tmp_path):
     """The mcts stage's run: tree size, depth, share of trees with a success as metrics, and the
     tree.png of its artifact folder as a file of the run (what the MLflow UI shows)."""

@@ -196,12 +196,16 @@ class RoundData:
 @dataclass
 class RoundResult:
     policy: ArtifactRef  # pi_{r+1}
-    explored: ArtifactRef | None  # None when iteration.data has no explore
+    data: RoundData  # what the training steps read (iteration.repeats trains on it again)
     trained: list[ArtifactRef]  # the checkpoint of every training step, in order
     spliced: ArtifactRef | None = None  # revisions and good paths, with mcts in iteration.data
     reflected: ArtifactRef | None = None  # hinted revisions, with reflect in iteration.data
     resampled: ArtifactRef | None = None  # grpo's own explore, with grpo.resample after a step
-    data: RoundData | None = None  # what the training steps read (iteration.repeats trains again)
+
+    @property
+    def explored(self) -> ArtifactRef | None:
+        """The round's exploration (None when iteration.data has no explore)."""
+        return self.data.explored
 
 
 def one_round(
@@ -236,7 +240,7 @@ def one_round(
         own += explorations(earlier)
     data = RoundData(policy, own, pairs, groups, explored)
     policy, trained, resampled = train_round(plan, round, data, boot)
-    return RoundResult(policy, explored, trained, spliced, reflected, resampled, data)
+    return RoundResult(policy, data, trained, spliced, reflected, resampled)
 
 
 def train_round(
@@ -280,7 +284,6 @@ def repeat_last_round(
     """iteration.repeats > 1: the last round's training steps again on the same data, with
     training seeds train_seed + 1, + 2, ..., each evaluated (the report averages them task by
     task). The first repeat is the round itself, so a run's ids do not depend on repeats."""
-    assert last.data is not None
     seed, n = plan.cfg.train_seed, plan.cfg.iteration.repeats
     for k in range(1, n):
         say(

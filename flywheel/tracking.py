@@ -422,17 +422,19 @@ class Tracker:
         values = headline(ref)
         policy = str(ref.manifest.get("policy_stage", ""))
         now = int(time.time() * 1000)
+
+        def series(key: str, name: str) -> str:  # ENV/METRIC -> ENV/name/METRIC
+            env, metric = key.split("/", 1)
+            return f"{env}/{name}/{metric}"
+
         if policy in REFERENCES:
             points = [
-                Metric(f"{k.split('/', 1)[0]}/{policy}/{k.split('/', 1)[1]}", v, now, step)
+                Metric(series(k, policy), v, now, step)
                 for k, v in values.items()
                 for step in range(fw.rounds + 1)
             ]
         elif repeat:
-            points = [
-                Metric(f"{k.split('/', 1)[0]}/repeat/{k.split('/', 1)[1]}", v, now, ref.round)
-                for k, v in values.items()
-            ]
+            points = [Metric(series(k, "repeat"), v, now, ref.round) for k, v in values.items()]
         else:
             points = [Metric(k, v, now, ref.round) for k, v in values.items()]
         if fw.run_id is None:

@@ -162,7 +162,7 @@ def _main_series(rows: list[dict[str, Any]], env: str) -> list[dict[str, Any]]:
         for r in rows
         if r["env"] == env
         and r["policy"] not in REFERENCES
-        and r.get("repeats", {}).get("of", [r["eval_id"]])[0] == r["eval_id"]
+        and ("repeats" not in r or r["repeats"]["of"][0] == r["eval_id"])
     }
     return [by_round[r] for r in sorted(by_round)]
 

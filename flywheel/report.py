@@ -101,9 +101,9 @@ def collect(store: Store) -> list[dict[str, Any]]:
             raise ArtifactError(f"artifact {ref.id} is not an eval artifact")
         outcomes[ref.id] = read_outcomes(store, ref)
         seed = None
-        if ref.manifest.get("policy_stage") in BASELINES and ref.manifest.get("policy"):
+        if ref.manifest.get("policy_stage") in BASELINES:
             # A baseline's repeats differ only by the seed of their data order: say which is which.
-            seed = store.get(ref.manifest["policy"]).manifest.get("config", {}).get("seed")
+            seed = checkpoint_seed(store, ref.manifest.get("policy", ""))
         by_env: dict[str, dict[str, Any]] = {}
         for key, value in ref.summary.items():
             env, _, metric = key.partition("/")
@@ -128,15 +128,23 @@ def collect(store: Store) -> list[dict[str, Any]]:
     return rows
 
 
+def checkpoint_seed(store: Store, checkpoint: str) -> int | None:
+    """The training seed a checkpoint's config records (None without one, or without an id)."""
+    return store.get(checkpoint).manifest.get("config", {}).get("seed") if checkpoint else None
+
+
 def _seed_repeated_rounds(store: Store, rows: list[dict[str, Any]]) -> None:
     """Give each row of a round evaluated several times (iteration.repeats) the training seed of
-    its checkpoint, in place, so the table says which repeat is which."""
+    its checkpoint, in place, so the table says which repeat is which (each checkpoint's
+    manifest read once, however many envs it was evaluated on)."""
+    seeds: dict[str, int | None] = {}
     for group in _round_repeats(rows):
         for row in group:
-            if row.get("checkpoint"):
-                seed = store.get(row["checkpoint"]).manifest.get("config", {}).get("seed")
-                if seed is not None:
-                    row["seed"] = seed
+            ckpt = row.get("checkpoint", "")
+            if ckpt not in seeds:
+                seeds[ckpt] = checkpoint_seed(store, ckpt)
+            if seeds[ckpt] is not None:
+                row["seed"] = seeds[ckpt]
 
 
 def _round_repeats(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -25,6 +25,14 @@ with ``repeats`` one baseline has several rows; the table shows it as ``rft (see
 trained several times (``iteration.repeats``) likewise has a row per repeat with its training
 seed, and each of them carries ``repeats``: the repeats' mean success, the eval ids it averages
 (``of``) and the mean's gains, measured task by task like a row's (one more line of gains).
+
+The standard errors above are the test sample's only. Where either side of a gain over the
+baselines was trained more than once (``rft.repeats``, ``iteration.repeats``), the gain also
+carries ``runs``: the standard error of the difference of the two sides' mean success from how
+far their training runs differ, ``s * sqrt(1/n_a + 1/n_b)`` with ``s^2`` the runs' variance
+pooled over both sides (``df = n_a + n_b - 2`` degrees of freedom; one run on a side borrows
+the other side's spread). It is called significant when the gain exceeds Student's t quantile
+for a two-sided 95% test at that df times this error: with two runs a side, 4.3 of them.
 """
 
 from __future__ import annotations
@@ -75,6 +83,34 @@ def paired_standard_error(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 Outcomes = dict[str, dict[tuple[str, str], float]]  # eval id -> (env, task id) -> success
+
+# Student's t, two-sided 95% quantiles by degrees of freedom; past 30 the report's rule of two.
+T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def run_spread(mine: Sequence[float], theirs: Sequence[float]) -> dict[str, Any] | None:
+    """How the difference of two sides' mean success compares with the spread of their training
+    runs (each side's success rate per run): the standard error of ``mean(mine) - mean(theirs)``
+    from the runs' variance pooled over both sides, its degrees of freedom and t quantile, and
+    whether the difference exceeds t standard errors. None with fewer than three runs in all
+    (no spread to measure)."""
+    n_a, n_b = len(mine), len(theirs)
+    df = n_a + n_b - 2
+    if n_a == 0 or n_b == 0 or df < 1:
+        return None
+    mean_a, mean_b = sum(mine) / n_a, sum(theirs) / n_b
+    squares = sum((x - mean_a) ** 2 for x in mine) + sum((x - mean_b) ** 2 for x in theirs)
+    se = math.sqrt(squares / df * (1 / n_a + 1 / n_b))
+    t = T95[df - 1] if df <= len(T95) else 2.0
+    gain = mean_a - mean_b
+    return {
+        "se": se, "df": df, "t": t, "n": [n_a, n_b],
+        "significant": bool(gain > t * se), "below": bool(gain < -t * se),
+    }  # fmt: skip
 
 
 def read_outcomes(store: Store, ref: ArtifactRef) -> dict[tuple[str, str], float]:
@@ -172,7 +208,15 @@ def _paired(
     return [mine[k] for k in keys], [theirs[k] for k in keys]
 
 
-def _gain(row: dict[str, Any], ref: dict[str, Any], outcomes: Outcomes | None) -> dict[str, Any]:
+def _gain(
+    row: dict[str, Any],
+    ref: dict[str, Any],
+    outcomes: Outcomes | None,
+    runs: Sequence[dict[str, Any]] | None = None,
+    ref_runs: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
+    """``row``'s gain over ``ref`` with its test-sample standard error; given the training runs
+    each side stands for (``runs``, ``ref_runs``), also their spread (``runs``, run_spread)."""
     pairs = _paired(row, ref, outcomes)
     if pairs is not None:
         a, b = pairs
@@ -181,7 +225,7 @@ def _gain(row: dict[str, Any], ref: dict[str, Any], outcomes: Outcomes | None) -
     else:
         diff = row["success_rate"] - ref["success_rate"]
         se = math.sqrt(row["success_se"] ** 2 + ref["success_se"] ** 2)
-    return {
+    gain = {
         "gain": diff,
         "se": se,
         "significant": bool(diff > 2 * se),
@@ -189,6 +233,11 @@ def _gain(row: dict[str, Any], ref: dict[str, Any], outcomes: Outcomes | None) -
         "over": ref["policy"],
         "paired": pairs is not None,
     }
+    if runs is not None:
+        rates = [[r["success_rate"] for r in rs] for rs in (runs, ref_runs)]
+        if (spread := run_spread(*rates)) is not None:
+            gain["runs"] = spread
+    return gain
 
 
 def mean_of_repeats(rows: list[dict[str, Any]], outcomes: Outcomes) -> dict[str, Any]:
@@ -221,19 +270,34 @@ def add_gains(rows: list[dict[str, Any]], outcomes: Outcomes | None = None) -> N
     for env in {r["env"] for r in rows}:
         mine = [r for r in rows if r["env"] == env and "success_rate" in r]
         sft = [r for r in mine if r["round"] == 0 and r["policy"] == "sft"]
-        base = []
+        # Each reference row, and the training runs it stands for.
+        base: list[dict[str, Any]] = []
+        base_runs: list[list[dict[str, Any]]] = []
         for name in BASELINES:
             runs = [r for r in mine if r["policy"] == name]
-            base += runs if len(runs) < 2 else [mean_of_repeats(runs, outcomes)]
-        best = max(base, key=lambda r: r["success_rate"]) if base else None
+            if len(runs) < 2:
+                base += runs
+                base_runs += [[r] for r in runs]
+            else:
+                base.append(mean_of_repeats(runs, outcomes))
+                base_runs.append(runs)
+        best, best_runs = (
+            max(zip(base, base_runs, strict=True), key=lambda b: b[0]["success_rate"])
+            if base
+            else (None, [])
+        )
+        repeated = _round_repeats(mine)
+        in_a_group = {id(r) for group in repeated for r in group}
         for row in mine:
             if row["round"] < 1 or row["policy"] in BASELINES:
                 continue
             if sft:
                 row["gain_over_sft"] = _gain(row, sft[-1], outcomes)
             if best is not None:
-                row["gain_over_baselines"] = _gain(row, best, outcomes)
-        for group in _round_repeats(mine):
+                # A repeat's own row leaves the runs' spread to the repeats' mean below.
+                own = None if id(row) in in_a_group else [row]
+                row["gain_over_baselines"] = _gain(row, best, outcomes, own, best_runs)
+        for group in repeated:
             # A round trained several times (iteration.repeats): its mean, measured like a row,
             # filed on each repeat's row.
             mean = mean_of_repeats(group, outcomes)
@@ -242,7 +306,7 @@ def add_gains(rows: list[dict[str, Any]], outcomes: Outcomes | None = None) -> N
             if sft:
                 summary["gain_over_sft"] = _gain(mean, sft[-1], outcomes)
             if best is not None:
-                summary["gain_over_baselines"] = _gain(mean, best, outcomes)
+                summary["gain_over_baselines"] = _gain(mean, best, outcomes, group, best_runs)
             for row in group:
                 row["repeats"] = summary
 
@@ -292,6 +356,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             "* = more than two above, ! = more than two below):",
             *gains,
         ]
+        if any("(runs: ±" in line for line in gains):
+            out.append(
+                "(runs: the gain's standard error from how far training runs differ, pooled over "
+                "both sides' repeats; * = more than t above, the 95% quantile at that df)"
+            )
     return "\n".join(out)
 
 
@@ -305,6 +374,10 @@ def _gain_line(row: dict[str, Any]) -> str:
             parts.append(
                 f"vs {g['over']:<8} {100 * g['gain']:+5.1f} ± {100 * g['se']:.1f}{mark}{pair}"
             )
+            if "runs" in g:
+                r = g["runs"]
+                mark = "*" if r["significant"] else "!" if r["below"] else ""
+                parts[-1] += f" (runs: ± {100 * r['se']:.1f}, df {r['df']}, t {r['t']:.2f}{mark})"
     name = row["policy"]
     if "seed" in row and "of" not in row:  # one of a round's repeats (a mean has "of")
         name += f" (seed {row['seed']})"

@@ -12,6 +12,7 @@ from flywheel.report import (
     format_table,
     lineage_hosts,
     paired_standard_error,
+    run_spread,
     standard_error,
 )
 from flywheel.store import Store, host_info, host_label
@@ -234,3 +235,47 @@ def test_compare_notes_lineages_written_on_different_machines(tmp_path, monkeypa
     assert out[-4].startswith("note: these evaluations' lineages were written on different")
     assert out[-2] == f"  {here.id}: {host_label(host_info())}"
     assert out[-1] == f"  {there.id}: " + "; ".join(sorted(lineage_hosts(store, there)))
+
+
+def test_run_spread_by_hand():
+    """Round 2 trained twice (55.8%, 55.8%) against two rft runs (54.5%, 47.9%): the runs'
+    variance pooled over both sides is (0 + 2 * 0.033^2) / 2, the error of the difference of the
+    means sqrt(var * (1/2 + 1/2)) = 0.033, and 4.55 points are below t(2) = 4.303 of them."""
+    spread = run_spread([0.558, 0.558], [0.545, 0.479])
+    assert spread is not None
+    assert spread["df"] == 2 and spread["n"] == [2, 2] and spread["t"] == pytest.approx(4.303)
+    assert spread["se"] == pytest.approx(0.033)
+    assert spread["significant"] is False and spread["below"] is False
+    # One run on a side borrows the other side's spread: df 1, t 12.706.
+    one = run_spread([0.60], [0.50, 0.52])
+    assert one is not None and one["df"] == 1 and one["t"] == pytest.approx(12.706)
+    assert one["se"] == pytest.approx(math.sqrt(2 * 0.01**2 / 1 * (1 + 1 / 2)))
+    # Runs that agree closely make a small gain significant; a large drop is marked below.
+    tight = run_spread([0.60, 0.61, 0.60], [0.50, 0.51, 0.50])
+    assert tight is not None and tight["df"] == 4 and tight["significant"] is True
+    assert run_spread([0.40, 0.41], [0.60, 0.61])["below"] is True  # type: ignore[index]
+    assert run_spread([0.6], [0.5]) is None and run_spread([], [0.5, 0.6]) is None
+
+
+def test_gains_over_repeated_baselines_carry_the_runs_spread():
+    """With rft trained twice, a round's gain over the baselines also carries the spread of the
+    training runs; a round's repeats carry it on their mean, not on each repeat's own line. One
+    run a side has no spread to measure."""
+    sft = {**row(0, "sft", 0.30), "eval_id": "e-sft"}
+    r1 = {**row(1, "sft", 0.45), "eval_id": "e-r1"}
+    r2a = {**row(2, "sft", 0.558), "eval_id": "e-r2a", "seed": 0}
+    r2b = {**row(2, "sft", 0.558), "eval_id": "e-r2b", "seed": 1}
+    rft_a = {**row(2, "rft", 0.545), "eval_id": "e-a"}
+    rft_b = {**row(2, "rft", 0.479), "eval_id": "e-b"}
+    rows = [sft, r1, r2a, r2b, rft_a, rft_b]
+    add_gains(rows)
+    assert r1["gain_over_baselines"]["runs"] == run_spread([0.45], [0.545, 0.479])
+    assert "runs" not in r2a["gain_over_baselines"] and "runs" not in r2a["gain_over_sft"]
+    mean = r2a["repeats"]["gain_over_baselines"]
+    assert mean["runs"] == run_spread([0.558, 0.558], [0.545, 0.479])
+    table = format_table(rows)
+    assert "round 2 sft (mean of 2) arith" in table
+    assert "(runs: ± 3.3, df 2, t 4.30)" in table and "(runs: the gain's standard error" in table
+    single = [dict(sft), dict(r1), dict(rft_a)]
+    add_gains(single)
+    assert "runs" not in single[1]["gain_over_baselines"] and "(runs" not in format_table(single)

@@ -337,13 +337,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     means = {tuple(r["repeats"]["of"]): r for r in rows if "repeats" in r}
     gains += [_gain_line({**r, **r["repeats"]}) for r in means.values()]
     if gains:
-        paired = [
-            g[key]["paired"]
+        every = [
+            g[key]
             for row in rows
             for g in (row, row.get("repeats", {}))
             for key in ("gain_over_sft", "gain_over_baselines")
             if key in g
         ]
+        paired = [gain["paired"] for gain in every]
         if all(paired):
             how = "paired over the same test tasks"
         elif any(paired):
@@ -356,7 +357,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             "* = more than two above, ! = more than two below):",
             *gains,
         ]
-        if any("(runs: ±" in line for line in gains):
+        if any("runs" in gain for gain in every):
             out.append(
                 "(runs: the gain's standard error from how far training runs differ, pooled over "
                 "both sides' repeats; * = more than t above, the 95% quantile at that df)"

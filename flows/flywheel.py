@@ -175,6 +175,8 @@ def bootstrap(plan: Plan) -> dict[str, ArtifactRef]:
         plan.cfg = stages.index.attach(plan.cfg, indexes)
     expert = _step(plan, "expert", 0, train, val)
     init = _step(plan, "init", 0, expert, train)
+    if "mcts" in plan.cfg.iteration.data:  # a base model's tokenizer: known from here on
+        stages.splice.check_thoughts(plan.cfg, plan.store, init)
     if plan.cfg.evaluate.untrained:
         _step(plan, "evaluate", 0, init, test, last=False)
     sft = _step(plan, "sft", 0, init, [expert], val_tasks=val, val_demos=expert)
@@ -351,9 +353,11 @@ def splices(cfg: Config, rounds: int, stop_at: tuple[str, int] | None = None) ->
 
 def check_run(cfg: Config, rounds: int, stop_at: tuple[str, int] | None = None) -> None:
     """Raise a one-line ValueError, before any work, when the walk would fail at a later stage
-    for a reason the config already shows (a splice over an env with no no-op action)."""
+    for a reason the config already shows (a splice over an env with no no-op action, revision
+    thoughts the embedded tokenizer cannot spell)."""
     if splices(cfg, rounds, stop_at):
         stages.splice.check_envs(cfg)
+        stages.splice.check_thoughts(cfg)
 
 
 def _walk(plan: Plan, rounds: int, with_baselines: bool = True) -> StageResult | None:

@@ -747,9 +747,26 @@ class SpliceConfig(Section):
         default=True,
         description="Write revision trajectories (bad prefix, revision turn, good continuation); false = the good paths alone: search as a solver, for a policy that cannot tell when to revise (on arith a miscopied number looks like a right one). Without revisions an env needs no no-op action.",
     )
+    thoughts: list[str] | None = Field(
+        default=None,
+        description="The reflections revision turns open with (`Thought: <one of them>`), one picked per revision by a stable hash; null = the eight published ones (flywheel.splice.REVISION_THOUGHTS). A small policy may learn one short thought where it garbles eight long ones. The policy's tokenizer must spell each (the embedded one knows the published thoughts' words).",
+    )
     shard_rows: int = Field(
         default=4096, ge=1, description="Trajectories per Parquet shard of the artifact."
     )
+
+    @field_validator("thoughts")
+    @classmethod
+    def _one_line_thoughts(cls, thoughts: list[str] | None) -> list[str] | None:
+        # the revision turn is `Thought: <thought>\nAction: <no-op>`: a line break would split it
+        if thoughts is None:
+            return None
+        if not thoughts:
+            raise ValueError("must hold at least one thought, or be null for the published ones")
+        for thought in thoughts:
+            if not thought.strip() or "\n" in thought:
+                raise ValueError(f"each thought must be one non-empty line, got {thought!r}")
+        return thoughts
 
 
 class ReflectConfig(Section):

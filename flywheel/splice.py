@@ -202,9 +202,26 @@ def revision_turn(thought: str, noop: str) -> str:
     return f"Thought: {thought}\nAction: {noop}"
 
 
-def pick_thought(*key: Any) -> str:
-    """A revision thought chosen by a stable hash of ``key`` (e.g. tree id and revision index)."""
-    return REVISION_THOUGHTS[derive_seed("revision", *key) % len(REVISION_THOUGHTS)]
+def pick_thought(*key: Any, thoughts: Sequence[str] = REVISION_THOUGHTS) -> str:
+    """One of ``thoughts`` chosen by a stable hash of ``key`` (e.g. tree id and revision index)."""
+    return thoughts[derive_seed("revision", *key) % len(thoughts)]
+
+
+def unspellable(tokenizer: Any, texts: Sequence[str]) -> list[str]:
+    """The words of ``texts`` the tokenizer encodes as its unknown token (none for a byte-level
+    BPE; the embedded word-level tokenizer knows only the words it was trained on)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return []
+
+    def unknown(text: str) -> bool:
+        return unk in tokenizer.encode(text, add_special_tokens=False)
+
+    found: list[str] = []
+    for text in texts:
+        if unknown(text):
+            found += [word for word in text.split() if unknown(word)] or [text]
+    return found
 
 
 def _steps(nodes: Sequence[Node], *, loss: bool, observe_done: bool = False) -> Trajectory:

@@ -21,14 +21,18 @@ and ``bad_steps``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from flywheel.checkpoint import checkpoint_dir
 from flywheel.config import Config
 from flywheel.engines.base import Chat, SamplingParams
 from flywheel.envs import EnvSuite, Task, make_suite
 from flywheel.mcts import Node, Tree, trees_from_rows
+from flywheel.model import train_tokenizer
 from flywheel.progress import say
 from flywheel.splice import (
+    REVISION_THOUGHTS,
     Flags,
     good_paths,
     judge_chat,
@@ -40,6 +44,7 @@ from flywheel.splice import (
     revision_turn,
     select_revisions,
     splice,
+    unspellable,
 )
 from flywheel.store import ArtifactRef, Store
 from stages._common import load_tasks, rollout_setup
@@ -52,8 +57,11 @@ def artifact_config(cfg: Config) -> dict[str, Any]:
     only when the judge runs) and the env settings (the revision turn is stepped for real)."""
     sp = cfg.splice
     judge = sp.verifier == "judge"
-    # revisions is hashed only when off, so the ids from before the field stay the same.
+    # revisions is hashed only when off and thoughts only when set, so the ids from before
+    # those fields stay the same.
     exclude = {"revisions"} if sp.revisions else set()
+    if sp.thoughts is None:
+        exclude.add("thoughts")
     if not judge:
         exclude.add("judge_max_new_tokens")
     conf: dict[str, Any] = {
@@ -76,6 +84,7 @@ def run(
     force: bool = False,
 ) -> ArtifactRef:
     sp = cfg.splice
+    check_thoughts(cfg, store, policy)
     w = store.writer(
         "trajectories",
         stage="splice",
@@ -93,6 +102,7 @@ def run(
         for env in suites
         for task in load_tasks(store, tasks, env=env, split="train")
     }
+    thoughts = tuple(sp.thoughts or REVISION_THOUGHTS)
     flags: dict[str, Flags] = {}
     judged: dict[str, list[str]] = {}
     if sp.verifier == "judge" and forest:
@@ -103,7 +113,7 @@ def run(
         suite = suites[tree.env]
         made = tree_rows(tree, suite, by_id[tree.task_id], sp.alpha, sp.beta,
                          flags.get(tree.tree_id), good=sp.good_paths,
-                         revisions=sp.revisions)  # fmt: skip
+                         revisions=sp.revisions, thoughts=thoughts)  # fmt: skip
         rows += [{**row, "round": round, "policy": policy.id} for row in made]
         c = counts.setdefault(tree.env, dict.fromkeys(COUNTS, 0.0))
         revisions = sum(row["source"] == "revision" for row in made)
@@ -126,6 +136,36 @@ def check_envs(cfg: Config) -> None:
     turn takes. The flow calls it before any work when its rounds will splice, so a config that
     pairs mcts with such an env fails at once, not after the bootstrap and the search."""
     _suites(cfg, {env_cfg.name for env_cfg in cfg.envs}, noop=cfg.splice.revisions)
+
+
+def check_thoughts(
+    cfg: Config, store: Store | None = None, policy: ArtifactRef | None = None
+) -> None:
+    """A one-line ValueError when revisions are written with ``splice.thoughts`` the policy's
+    tokenizer cannot spell: round sft would train on unknown tokens. With ``policy``, its
+    tokenizer is read; without, the embedded tokenizer's words for revision turns are checked
+    from the config alone (the flow does that before any work; a base model's tokenizer is
+    checked once init has written it)."""
+    sp = cfg.splice
+    if not (sp.revisions and sp.thoughts):
+        return
+    if policy is not None:
+        from transformers import AutoTokenizer
+
+        assert store is not None
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(store, policy))
+    elif cfg.model.base is None:
+        # init's embedded tokenizer learns the published revision turns (stages/init.py)
+        tokenizer = train_tokenizer(REVISION_THOUGHTS, number_digits=cfg.model.tiny.number_digits)
+    else:
+        return
+    unknown = unspellable(tokenizer, sp.thoughts)
+    if unknown:
+        raise ValueError(
+            f"splice.thoughts: the policy's tokenizer cannot spell {', '.join(map(repr, unknown))}; "
+            "the embedded tokenizer knows the words of the published thoughts "
+            "(flywheel.splice.REVISION_THOUGHTS), so write the thoughts in those"
+        )
 
 
 def _suites(cfg: Config, envs: set[str], *, noop: bool = True) -> dict[str, EnvSuite]:
@@ -159,14 +199,16 @@ def tree_rows(
     *,
     good: bool = True,
     revisions: bool = True,
+    thoughts: Sequence[str] = REVISION_THOUGHTS,
 ) -> list[dict[str, Any]]:
-    """A tree's revision rows (with ``revisions``), then (with ``good``) its good paths as
-    plain rows; trajectory rows without ``round`` and ``policy``."""
+    """A tree's revision rows (with ``revisions``; each revision turn opens with one of
+    ``thoughts``), then (with ``good``) its good paths as plain rows; trajectory rows without
+    ``round`` and ``policy``."""
     rows: list[dict[str, Any]] = []
     picked = select_revisions(tree, alpha=alpha, beta=beta, flags=flags) if revisions else []
     noop: str = getattr(suite, "noop", "")  # a str when revisions are written: see _suites
     for k, rev in enumerate(picked):
-        text = revision_turn(pick_thought(tree.tree_id, k), noop=noop)
+        text = revision_turn(pick_thought(tree.tree_id, k, thoughts=thoughts), noop=noop)
         observation = revision_observation(suite, task, rev.bad[1 : rev.cut + 2], text)
         rows.append(
             splice(

@@ -21,6 +21,7 @@ from flywheel.splice import (
     rule_flags,
     select_revisions,
     splice,
+    unspellable,
 )
 from flywheel.trajectory import Trajectory
 
@@ -250,3 +251,25 @@ def test_good_path_row(craft_tree):
 def test_pick_thought_is_stable():
     assert pick_thought("craft-7:0", 0) == pick_thought("craft-7:0", 0)
     assert {pick_thought("tree", k) for k in range(40)} == set(REVISION_THOUGHTS)
+    assert {pick_thought("tree", k, thoughts=("a b", "c")) for k in range(40)} == {"a b", "c"}
+
+
+def test_unspellable_names_the_words_a_word_level_tokenizer_lacks():
+    from flywheel.config import TinyModelConfig
+    from flywheel.model import build_tiny_policy
+
+    tokenizer, _ = build_tiny_policy(
+        ["Looking at my last action, it was wrong."], TinyModelConfig(), 0
+    )
+    assert unspellable(tokenizer, ["My last action was wrong.", "it was"]) == ["My"]
+    assert unspellable(tokenizer, ["my last action was wrong."]) == []
+    assert unspellable(object(), ["anything at all"]) == []  # no unknown token: a byte-level BPE
+
+
+def test_splice_thoughts_must_be_lines():
+    from flywheel.config import load_config
+
+    assert load_config(None, ["splice.thoughts=[I was wrong.]"]).splice.thoughts == ["I was wrong."]
+    for bad in ("splice.thoughts=[]", "splice.thoughts=['']"):
+        with pytest.raises(Exception, match="thought"):
+            load_config(None, [bad])

@@ -454,6 +454,37 @@ def test_splice_refuses_an_env_without_a_noop(spliced_inputs):
         stages.splice.run(silent, store, trees, refs["init"], refs["train"], round=1)
 
 
+def test_splice_opens_revision_turns_with_the_configured_thoughts(spliced_inputs):
+    """splice.thoughts: every revision turn opens with one of them; the id changes only when
+    they are set, and a thought the policy's tokenizer cannot spell is refused in one line,
+    before anything is written."""
+    cfg, store, refs, trees, _, _ = spliced_inputs
+    one = "My last action was wrong."
+    short = cfg.model_copy(update={"splice": cfg.splice.model_copy(update={"thoughts": [one]})})
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref = stages.splice.run(short, store, trees, refs["init"], refs["train"], round=1)
+        default = stages.splice.run(cfg, store, trees, refs["init"], refs["train"], round=1)
+    assert ref.id != default.id
+    revisions = [r for r in store.read(ref).to_pylist() if r["source"] == "revision"]
+    turns = [
+        m["content"] for r in revisions for m in r["messages"] if m["content"].startswith("Thought")
+    ]
+    assert turns == [f"Thought: {one}\nAction: inventory"] * 2
+    assert "thoughts" not in stages.splice.artifact_config(cfg)["splice"]
+    assert stages.splice.artifact_config(short)["splice"]["thoughts"] == [one]
+
+    odd = short.model_copy(
+        update={
+            "splice": short.splice.model_copy(update={"thoughts": [one, "Zyzzyva went wrong."]})
+        }
+    )
+    before = store.list(round=1, stage="splice")
+    with pytest.raises(ValueError, match="cannot spell 'Zyzzyva'") as err:
+        stages.splice.run(odd, store, trees, refs["init"], refs["train"], round=1)
+    assert "\n" not in str(err.value)
+    assert store.list(round=1, stage="splice") == before  # nothing written
+
+
 def test_splice_without_revisions_writes_the_good_paths_alone(spliced_inputs):
     """splice.revisions=false: the same tree gives its good path and no revision, and an env
     that names no no-op action is then accepted (no revision turn is ever taken)."""

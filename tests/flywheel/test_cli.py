@@ -4,16 +4,21 @@ the read-only commands (artifacts ls / show / lineage, config --fields) on a rea
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import yaml
 
 import stages.expert
 import stages.tasks
 from flywheel.cli import main
-from flywheel.config import load_config
+from flywheel.config import field_help, load_config
+from flywheel.report import STATE_FILE
 from flywheel.store import Store
-from tests.conftest import write_tiny_yaml
+from tests.conftest import tiny_overrides, write_tiny_yaml
 
 
 @pytest.fixture
@@ -141,3 +146,180 @@ def test_a_revision_thought_the_tokenizer_cannot_spell_fails_before_any_work(tmp
     # without revisions no thought is written, so none is checked
     check_run(load_config(path, [*mcts, "splice.revisions=false",
                                  "splice.thoughts=[Zyzzyva went wrong.]"]), 2)  # fmt: skip
+    # the built-in arith has a no-op: the same rounds pass the check
+    import stages.splice
+
+    stages.splice.check_envs(load_config(None, tiny_overrides(tmp_path, *mcts)))
+
+
+# -- artifact errors ----------------------------------------------------------------------------
+
+
+def test_missing_artifact(small_store, capsys):
+    path, store, _, _ = small_store
+    before = folders(Path(store.base))
+    rc, out, err = run_cli(capsys, "artifacts", "--config", str(path), "show", "stage-nope")
+    assert_one_line_error(rc, err, "no artifact stage-nope")
+    assert out == ""
+    rc, _, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "lineage", "expert-000000000000"
+    )
+    assert_one_line_error(rc, err, "no artifact expert-000000000000")
+    assert folders(Path(store.base)) == before
+
+
+def test_truncated_shard(small_store, capsys):
+    path, store, _, expert = small_store
+    shard = Path(expert.path) / expert.manifest["shards"][0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = folders(Path(store.base))
+    rc, _, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "2"
+    )
+    assert_one_line_error(rc, err, "corrupted shard", shard.name)
+    assert folders(Path(store.base)) == before
+
+
+def test_missing_shard(small_store, capsys):
+    path, _, _, expert = small_store
+    shard = Path(expert.path) / expert.manifest["shards"][0]
+    shard.unlink()
+    rc, _, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "1"
+    )
+    assert_one_line_error(rc, err, f"artifact {expert.id} is missing shard")
+
+
+def test_broken_manifest(small_store, capsys):
+    path, store, (tasks, _, _), expert = small_store
+    manifest = Path(expert.path) / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    state = Path(store.base) / STATE_FILE
+    state.write_text(json.dumps({"evaluations": [expert.id]}))
+    before = folders(Path(store.base))
+    for argv in (
+        ["artifacts", "--config", str(path), "show", expert.id],
+        ["artifacts", "--config", str(path), "lineage", expert.id],
+    ):
+        rc, _, err = run_cli(capsys, *argv)
+        assert_one_line_error(rc, err, "corrupted manifest", expert.id)
+    # ls lists the three readable artifacts and names the broken one on stderr (exit 0)
+    rc, out, err = run_cli(capsys, "artifacts", "--config", str(path), "ls")
+    assert rc == 0 and len(out.splitlines()) == 3 and expert.id not in out
+    assert err.splitlines() == [err.strip()] and err.startswith("flywheel: warning: corrupted")
+    assert expert.id in err
+    # the report names the evaluations of the last run; one of them is the broken artifact
+    rc, _, err = run_cli(capsys, "report", "--config", str(path))
+    assert_one_line_error(rc, err, "corrupted manifest")
+    state.write_text(json.dumps({"evaluations": [tasks.id]}))
+    rc, _, err = run_cli(capsys, "report", "--json", "--config", str(path))
+    assert_one_line_error(rc, err, f"artifact {tasks.id} is not an eval artifact")
+    assert folders(Path(store.base)) == before
+
+
+def test_schema_mismatch_names_file_column_and_type(small_store, capsys):
+    path, _, _, expert = small_store
+    shard = Path(expert.path) / expert.manifest["shards"][0]
+    table = pq.read_table(shard)
+    idx = table.schema.get_field_index("reward")
+    table = table.set_column(
+        idx, "reward", pa.array([str(v) for v in table.column("reward").to_pylist()])
+    )
+    pq.write_table(table, shard)
+    rc, out, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "3"
+    )
+    line = assert_one_line_error(rc, err, "schema mismatch", shard.name, "'reward'", "double")
+    assert "string" in line
+    # the manifest was printed before the rows were read; no rows were
+    assert json.loads(out)["id"] == expert.id
+
+
+def test_manifest_schema_version_mismatch(small_store, capsys):
+    path, _, _, expert = small_store
+    manifest = Path(expert.path) / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["schema_version"] = 99
+    manifest.write_text(json.dumps(data))
+    rc, _, err = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "1"
+    )
+    assert_one_line_error(rc, err, "schema mismatch", "v99")
+
+
+# -- the read-only commands ---------------------------------------------------------------------
+
+
+def test_artifacts_ls_show_lineage(small_store, capsys):
+    path, store, (tasks, val, test), expert = small_store
+    rc, out, err = run_cli(capsys, "artifacts", "--config", str(path), "ls")
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert len(lines) == 4
+    # ordered by creation time, which has one-second resolution: look lines up by id
+    by_id = {line.split()[4]: line for line in lines}
+    assert set(by_id) == {tasks.id, val.id, test.id, expert.id}
+    assert by_id[tasks.id].split()[:4] == ["round", "0", "tasks", "tasks"]
+    assert "rows=24" in by_id[tasks.id] and "rows=8" in by_id[test.id]
+    assert by_id[expert.id].split()[:4] == ["round", "0", "expert", "trajectories"]
+    assert "rows=32" in by_id[expert.id]  # 24 train demonstrations + 8 val
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--stage", "expert")
+    assert rc == 0 and out.splitlines() == [by_id[expert.id]]
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--round", "1")
+    assert rc == 0 and out == ""
+
+    rc, out, _ = run_cli(
+        capsys, "artifacts", "--config", str(path), "show", expert.id, "--rows", "2"
+    )
+    assert rc == 0
+    manifest_text, _, rows_text = out.partition("\n}\n")
+    manifest = json.loads(manifest_text + "\n}")
+    assert (
+        manifest["id"] == expert.id
+        and manifest["rows"] == 32
+        and manifest["inputs"] == [tasks.id, val.id]
+    )
+    assert len(rows_text.strip().splitlines()) == 3  # header + 2 rows
+    assert "expert" in rows_text
+
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "lineage", expert.id)
+    assert rc == 0
+    lines = out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith(expert.id) and "[trajectories, round 0]" in lines[0]
+    assert "arith/oracle_success=" in lines[0]
+    assert lines[1].startswith("  " + tasks.id) and "[tasks, round 0]" in lines[1]
+    assert lines[2].startswith("  " + val.id)
+
+
+def test_reading_commands_take_overrides(small_store, capsys):
+    # run.name=... reads another run's store with the same config; that one is empty here.
+    path, store, _, expert = small_store
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "run.name=other")
+    assert (rc, out) == (0, "")
+    rc, out, _ = run_cli(capsys, "report", "--json", "--config", str(path), "run.name=other")
+    assert (rc, json.loads(out)) == (0, [])
+    rc, _, err = run_cli(capsys, "show", expert.id, "--config", str(path), "run.name=other")
+    assert rc == 2 and f"no artifact {expert.id} in " in err and err.strip().endswith("/other")
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "show", expert.id)
+    assert rc == 0 and expert.id in out  # the config's own run still has it
+    rc, _, err = run_cli(capsys, "artifacts", "--config", str(path), "lineage", expert.id, "x.y=1")
+    assert_one_line_error(rc, err, "unknown key x")
+
+
+def test_config_fields_and_dump(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "config", "--fields")
+    assert rc == 0 and err == ""
+    keys = [line.split()[0] for line in out.splitlines()]
+    assert keys == [k for k, _ in field_help()]
+    assert {"sft.lr", "explore.samples_per_task", "envs.<name>.n_train", "tracking.uri"} <= set(
+        keys
+    )
+    assert all(len(line.split(None, 1)) == 2 for line in out.splitlines()), (
+        "a field has no help text"
+    )
+    path = write_tiny_yaml(tmp_path)
+    rc, out, _ = run_cli(capsys, "config", "--config", str(path), "sft.lr=0.5")
+    assert rc == 0
+    dumped = load_config(None).model_validate(yaml.safe_load(out))
+    assert dumped.sft.lr == 0.5 and dumped.envs[0].n_train == 24

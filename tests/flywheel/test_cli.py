@@ -129,6 +129,11 @@ def test_a_round_that_splices_an_env_without_a_noop_fails_before_any_work(tmp_pa
         assert splices(with_mcts, stop[1], stop_at=stop) is reached, stop
     assert not splices(cfg, 2)  # no mcts in iteration.data: nothing splices
 
+    # the built-in arith has a no-op: the same rounds pass the check
+    import stages.splice
+
+    stages.splice.check_envs(load_config(None, tiny_overrides(tmp_path, *mcts)))
+
 
 def test_a_revision_thought_the_tokenizer_cannot_spell_fails_before_any_work(tmp_path, capsys):
     """splice.thoughts with a word the embedded tokenizer lacks: the run stops at once, in one
@@ -146,10 +151,6 @@ def test_a_revision_thought_the_tokenizer_cannot_spell_fails_before_any_work(tmp
     # without revisions no thought is written, so none is checked
     check_run(load_config(path, [*mcts, "splice.revisions=false",
                                  "splice.thoughts=[Zyzzyva went wrong.]"]), 2)  # fmt: skip
-    # the built-in arith has a no-op: the same rounds pass the check
-    import stages.splice
-
-    stages.splice.check_envs(load_config(None, tiny_overrides(tmp_path, *mcts)))
 
 
 # -- artifact errors ----------------------------------------------------------------------------

@@ -53,6 +53,14 @@ def _noops(cfg: Config) -> list[str]:
     return [noop for noop in found if isinstance(noop, str)]
 
 
+def revision_texts(cfg: Config) -> list[str]:
+    """The revision turns the embedded tokenizer learns when the rounds splice: each published
+    thought with each env's no-op (splice.thoughts must be written in their words)."""
+    from flywheel.splice import REVISION_THOUGHTS, revision_turn
+
+    return [revision_turn(t, noop) for noop in _noops(cfg) for t in REVISION_THOUGHTS]
+
+
 def _hints(cfg: Config) -> dict[str, list[str]]:
     from flywheel.reflect import hints_of
 
@@ -84,9 +92,7 @@ def run(
         # Every train prompt too: tasks without a demonstration must not hold unknown words.
         texts += store.read(train, columns=["prompt"]).column("prompt").to_pylist()
         if _revises(cfg):  # splice's revision turns ("Thought: I made a mistake ...")
-            from flywheel.splice import REVISION_THOUGHTS, revision_turn
-
-            texts += [revision_turn(t, noop) for noop in _noops(cfg) for t in REVISION_THOUGHTS]
+            texts += revision_texts(cfg)
         if _reflects(cfg):  # the hints that open reflect's hinted turns
             texts += [hint for hints in _hints(cfg).values() for hint in hints]
         tokenizer, model = build_tiny_policy(texts, cfg.model.tiny, cfg.train_seed)

@@ -155,8 +155,10 @@ def check_thoughts(
         assert store is not None
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(store, policy))
     elif cfg.model.base is None:
-        # init's embedded tokenizer learns the published revision turns (stages/init.py)
-        tokenizer = train_tokenizer(REVISION_THOUGHTS, number_digits=cfg.model.tiny.number_digits)
+        import stages.init
+
+        texts = stages.init.revision_texts(cfg)  # what init's embedded tokenizer learns of them
+        tokenizer = train_tokenizer(texts, number_digits=cfg.model.tiny.number_digits)
     else:
         return
     unknown = unspellable(tokenizer, sp.thoughts)

@@ -128,7 +128,6 @@ def test_a_round_that_splices_an_env_without_a_noop_fails_before_any_work(tmp_pa
                           (("explore", 2), True), (("evaluate", 1), True)]:  # fmt: skip
         assert splices(with_mcts, stop[1], stop_at=stop) is reached, stop
     assert not splices(cfg, 2)  # no mcts in iteration.data: nothing splices
-
     # the built-in arith has a no-op: the same rounds pass the check
     import stages.splice
 

@@ -267,9 +267,9 @@ def test_unspellable_names_the_words_a_word_level_tokenizer_lacks():
 
 
 def test_splice_thoughts_must_be_lines():
-    from flywheel.config import load_config
+    from flywheel.config import ConfigError, load_config
 
     assert load_config(None, ["splice.thoughts=[I was wrong.]"]).splice.thoughts == ["I was wrong."]
     for bad in ("splice.thoughts=[]", "splice.thoughts=['']"):
-        with pytest.raises(Exception, match="thought"):
+        with pytest.raises(ConfigError, match="splice.thoughts: .*thought"):
             load_config(None, [bad])

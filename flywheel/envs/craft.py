@@ -108,6 +108,19 @@ def recipe_line(item: str, ingredients: Sequence[tuple[str, int]]) -> str:
     return f"craft {item} using " + ", ".join(f"{n} {name}" for name, n in ingredients)
 
 
+def _needs(item: str, ingredients: Sequence[tuple[str, int]]) -> str:
+    return f"{item} needs " + ", ".join(f"{n} {name}" for name, n in ingredients) + "."
+
+
+def _path(goal: str, item: str, recipes: Recipes) -> list[str]:
+    """The crafted items from ``goal`` down to ``item`` (both included), following the first
+    ingredient with a recipe at each level, as ``plan_order`` descends."""
+    path = [goal]
+    while path[-1] != item:
+        path.append(next(name for name, _ in recipes[path[-1]] if name in recipes))
+    return path
+
+
 def plan_order(goal: str, recipes: Recipes) -> list[str]:
     """The crafted items of the goal's tree, each after its ingredients (the goal last)."""
     order: list[str] = []
@@ -198,6 +211,12 @@ class CraftOptions(BaseModel):
         default=3, ge=1, le=10, description="Largest count of a base ingredient in a recipe."
     )
     max_get: int = Field(default=10, ge=1, le=99, description="Largest N of one `get N ITEM`.")
+    expert_thoughts: bool = Field(
+        default=False,
+        description="The expert opens the first turn of each crafted item with a ReAct thought "
+        "that restates its recipe ('Thought: oak stick needs 2 oak log.'), the episode's first "
+        "turn with the recipes from the goal down to that item: the lookup written out.",
+    )
 
     @field_validator("depth_weights")
     @classmethod
@@ -229,7 +248,8 @@ class CraftSuite:
     ``depth_weights``: relative frequency of goal depth 1..4 (the difficulty).
     ``min_distractors``/``max_distractors``: distractor recipes per task; the first one always
     eats an item of the goal's tree. ``max_count``: largest ingredient count of a recipe.
-    ``max_get``: largest N one ``get`` may take.
+    ``max_get``: largest N one ``get`` may take. ``expert_thoughts``: the expert writes ReAct
+    thoughts that restate the recipes it is about to use (``expert``).
     """
 
     name = "craft"
@@ -245,6 +265,7 @@ class CraftSuite:
         max_distractors: int = 3,
         max_count: int = 3,
         max_get: int = 10,
+        expert_thoughts: bool = False,
     ) -> None:
         opts = CraftOptions(
             depth_weights=tuple(depth_weights),  # type: ignore[arg-type]
@@ -252,6 +273,7 @@ class CraftSuite:
             max_distractors=max_distractors,
             max_count=max_count,
             max_get=max_get,
+            expert_thoughts=expert_thoughts,
         )  # a pydantic ValidationError (a ValueError) names the bad argument
         self.opts = opts
 
@@ -303,16 +325,23 @@ class CraftSuite:
 
     def expert(self, task: Task) -> list[str]:
         """Bottom-up: for each crafted item of the goal's tree, get its base ingredients, then
-        craft it (its crafted ingredients are already made)."""
+        craft it (its crafted ingredients are already made). With ``expert_thoughts`` the first
+        turn of each item opens with ``Thought: ITEM needs N A, M B.`` and the episode's first
+        turn with that line for every item from the goal down to the first one crafted."""
         world = World.of(task)
         turns: list[str] = []
         for item in plan_order(world.goal, world.recipes):
+            first = len(turns)
             for name, n in world.recipes[item]:
                 if name not in world.recipes:
                     while n > 0:  # a count above max_get takes several gets
                         turns.append(f"get {min(n, self.opts.max_get)} {name}")
                         n -= min(n, self.opts.max_get)
             turns.append(recipe_line(item, world.recipes[item]))
+            if self.opts.expert_thoughts:
+                path = _path(world.goal, item, world.recipes) if first == 0 else [item]
+                thought = " ".join(_needs(i, world.recipes[i]) for i in path)
+                turns[first] = f"Thought: {thought}\nAction: {turns[first]}"
         return turns
 
     def make(self) -> CraftEnv:

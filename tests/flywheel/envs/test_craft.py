@@ -164,6 +164,35 @@ def test_oracle_solves_every_task_through_real_envs(depth: int) -> None:
     assert [r["steps"] for r in rows] == [len(suite.expert(t)) for t in tasks]
 
 
+def test_expert_thoughts_write_the_recipe_lookup_and_still_solve() -> None:
+    task = hand_task()
+    plain = CraftSuite().expert(task)
+    turns = CraftSuite(expert_thoughts=True).expert(task)
+    assert turns == [
+        "Thought: iron wheel needs 1 oak stick, 2 iron ore. oak stick needs 2 oak log.\n"
+        "Action: get 2 oak log",
+        "craft oak stick using 2 oak log",
+        "Thought: iron wheel needs 1 oak stick, 2 iron ore.\nAction: get 2 iron ore",
+        "craft iron wheel using 1 oak stick, 2 iron ore",
+    ]
+    assert [parse_command(t) for t in turns] == [parse_command(t) for t in plain]
+    suite = CraftSuite(depth_weights=[0, 0, 1, 1], max_distractors=4, expert_thoughts=True)
+    tasks = suite.tasks("train", 30, seed=6)
+    assert all(r["success"] for r in expert_episodes(suite, tasks))
+    for task in tasks:  # the first thought descends from the goal to the first item crafted
+        first = suite.expert(task)[0]
+        assert first.startswith(f"Thought: {task.meta['goal']} needs ")
+        assert first.count(" needs ") == len(_chain(task))
+
+
+def _chain(task: Task) -> list[str]:
+    recipes, item, chain = task.meta["recipes"], task.meta["goal"], []
+    while item in recipes:
+        chain.append(item)
+        item = next((n for n, _ in recipes[item] if n in recipes), "")
+    return chain
+
+
 def test_oracle_progress_climbs_to_the_total_without_errors() -> None:
     suite = CraftSuite()
     env = suite.make()

@@ -104,12 +104,16 @@ def split_of(key: str) -> str:
     return next(split for split, buckets in SPLIT_BUCKETS.items() if bucket in buckets)
 
 
+def _listing(ingredients: Sequence[tuple[str, int]]) -> str:
+    return ", ".join(f"{n} {name}" for name, n in ingredients)
+
+
 def recipe_line(item: str, ingredients: Sequence[tuple[str, int]]) -> str:
-    return f"craft {item} using " + ", ".join(f"{n} {name}" for name, n in ingredients)
+    return f"craft {item} using {_listing(ingredients)}"
 
 
 def _needs(item: str, ingredients: Sequence[tuple[str, int]]) -> str:
-    return f"{item} needs " + ", ".join(f"{n} {name}" for name, n in ingredients) + "."
+    return f"{item} needs {_listing(ingredients)}."
 
 
 def _path(goal: str, item: str, recipes: Recipes) -> list[str]:

@@ -244,6 +244,13 @@ def _plain(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _eval_name(text: str) -> str:
+    """An artifact id, or RUN:ID for one of another run's store: each part a plain name."""
+    for part in text.split(":", 1) if ":" in text else [text]:
+        _plain(part)
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line like every other error."""
 
@@ -334,11 +341,11 @@ def _parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser(
         "compare",
-        help="eval artifacts of the run (any rounds, baselines or reruns): success of each "
-        "and the paired gain of the first over the second (over the mean of the others, when "
-        "several follow: repeats of one baseline)",
+        help="eval artifacts (any rounds, baselines or reruns; RUN:ID for another run's): "
+        "success of each and the paired gain of the first over the second (over the mean of "
+        "the others, when several follow: repeats of one baseline)",
     )
-    cp.add_argument("a", type=_plain, help="an eval artifact")
+    cp.add_argument("a", type=_eval_name, help="an eval artifact (RUN:ID: one of run RUN's store)")
     # The ids and the overrides after them arrive together (argparse gives every positional
     # to b): main splits them at the first key=value.
     cp.add_argument("b", nargs="+", help="the eval artifact(s) to compare against, averaged")
@@ -617,7 +624,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "compare":
         from flywheel.report import compare
 
-        ids = [x for x in args.b if "=" not in x]  # Store.get checks each is a plain name
+        # Store and Store.get check that each part of an id (RUN:ID) is a plain name.
+        ids = [x for x in args.b if "=" not in x]
         overrides = [x for x in args.b if "=" in x] + args.overrides
         print(compare(_store(args.config, overrides), args.a, *ids))
         return 0

@@ -385,19 +385,49 @@ def _gain_line(row: dict[str, Any]) -> str:
     return f"  round {row['round']} {name:<5} {row['env']:<8} " + "   ".join(parts)
 
 
+def resolve_eval(store: Store, name: str) -> tuple[Store, ArtifactRef]:
+    """An eval artifact named ``ID`` (in ``store``) or ``RUN:ID`` (in run RUN's store under the
+    same root), with the store it is in; a one-line error for anything else."""
+    run, sep, art = name.rpartition(":")
+    where = Store(store.root_url, run) if sep else store
+    ref = where.get(art)
+    if ref.kind != "eval":
+        raise ValueError(f"{name} is a {ref.kind} artifact; compare reads eval artifacts")
+    return where, ref
+
+
+def read_tasks(store: Store, ref: ArtifactRef) -> dict[tuple[str, str], str]:
+    """Every episode's task as its env stated it, by (env, task id): the last user message
+    before the policy's first turn (after the suite's instruction, which a run may change)."""
+    table = store.read(ref, columns=["env", "task_id", "messages"]).to_pydict()
+    out = {}
+    for env, task, messages in zip(table["env"], table["task_id"], table["messages"], strict=True):
+        stated = ""
+        for m in messages:
+            if m["role"] == "assistant" and m["loss"]:
+                break
+            if m["role"] == "user":
+                stated = m["content"]
+        out[(env, task)] = stated
+    return out
+
+
 def compare(store: Store, a_id: str, *b_ids: str) -> str:
-    """``flywheel compare A B [B ...]``: eval artifacts of a run's store (any rounds, baselines
-    or versions, which the report does not set side by side), each env's success of each and the
-    paired gain of A over B on the tasks all ran (± its standard error, * / ! beyond two above /
-    below). Several B (repeats of one baseline with other seeds, say) are averaged task by task
-    first, so A is measured against the baseline's mean rather than one draw of it."""
+    """``flywheel compare A B [B ...]``: eval artifacts (any rounds, baselines or versions, which
+    the report does not set side by side), each env's success of each and the paired gain of A
+    over B on the tasks all ran (± its standard error, * / ! beyond two above / below). Several
+    B (repeats of one baseline with other seeds, say) are averaged task by task first, so A is
+    measured against the baseline's mean rather than one draw of it. An id written ``RUN:ID``
+    is read from run RUN's store (same root): two runs are paired only where their test tasks
+    are the same, which is checked task by task (the first observation; the suite's instruction
+    may differ)."""
     if not b_ids:
         raise ValueError("compare needs at least one eval artifact after the first")
-    refs = [store.get(i) for i in (a_id, *b_ids)]
-    for ref in refs:
-        if ref.kind != "eval":
-            raise ValueError(f"{ref.id} is a {ref.kind} artifact; compare reads eval artifacts")
-    a, *bs = (read_outcomes(store, ref) for ref in refs)
+    names = (a_id, *b_ids)
+    found = [resolve_eval(store, name) for name in names]
+    a, *bs = (read_outcomes(where, ref) for where, ref in found)
+    if len({where.base for where, _ in found}) > 1:
+        _check_same_tasks(names, [read_tasks(where, ref) for where, ref in found])
     against = b_ids[0] if len(b_ids) == 1 else f"the mean of {', '.join(b_ids)}"
     lines = [f"{a_id} (A) against {against} (B), paired over the tasks all ran:"]
     for env in sorted({k[0] for k in a} | {k[0] for b in bs for k in b}):
@@ -417,8 +447,23 @@ def compare(store: Store, a_id: str, *b_ids: str) -> str:
             f"  {env:<8} {len(keys):>5} tasks   A {100 * ra:5.1f}%   B {100 * rb:5.1f}%   "
             f"A - B {100 * gain:+5.1f} ± {100 * se:.1f}{mark}{each}"
         )
-    lines += _host_note(store, refs)
+    lines += _host_note(
+        [(where, ref, name) for (where, ref), name in zip(found, names, strict=True)]
+    )
     return "\n".join(lines)
+
+
+def _check_same_tasks(names: tuple[str, ...], tasks: list[dict[tuple[str, str], str]]) -> None:
+    """A one-line error when evaluations from different runs stated one task id differently
+    (another env seed or difficulty): pairing them would compare different tasks."""
+    first = tasks[0]
+    for name, other in zip(names[1:], tasks[1:], strict=True):
+        for key in sorted(first.keys() & other.keys()):
+            if first[key] != other[key]:
+                raise ValueError(
+                    f"task {key[1]} of env {key[0]} reads differently in {names[0]} and {name}: "
+                    "their runs' test tasks differ, so they cannot be paired"
+                )
 
 
 def lineage_hosts(store: Store, ref: ArtifactRef) -> set[str]:
@@ -429,10 +474,11 @@ def lineage_hosts(store: Store, ref: ArtifactRef) -> set[str]:
     }
 
 
-def _host_note(store: Store, refs: list[ArtifactRef]) -> list[str]:
-    """A warning when the compared policies were made on different machines: one config can
-    train to different weights where the CPU's kernels round differently."""
-    by_ref = {ref.id: lineage_hosts(store, ref) for ref in refs}
+def _host_note(found: list[tuple[Store, ArtifactRef, str]]) -> list[str]:
+    """A warning when the compared policies (each in its store, under the name it was given) were
+    made on different machines: one config can train to different weights where the CPU's
+    kernels round differently."""
+    by_ref = {name: lineage_hosts(where, ref) for where, ref, name in found}
     every = set().union(*by_ref.values())
     if len(every) < 2:
         return []

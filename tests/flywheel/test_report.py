@@ -6,6 +6,7 @@ import math
 import pytest
 
 import flywheel.store
+from flywheel.cli import main
 from flywheel.report import (
     add_gains,
     compare,
@@ -15,7 +16,7 @@ from flywheel.report import (
     run_spread,
     standard_error,
 )
-from flywheel.store import Store, host_info, host_label
+from flywheel.store import ArtifactError, Store, host_info, host_label
 from tests.flywheel.test_html_report import _checkpoint, _evaluate
 
 
@@ -235,6 +236,39 @@ def test_compare_notes_lineages_written_on_different_machines(tmp_path, monkeypa
     assert out[-4].startswith("note: these evaluations' lineages were written on different")
     assert out[-2] == f"  {here.id}: {host_label(host_info())}"
     assert out[-1] == f"  {there.id}: " + "; ".join(sorted(lineage_hosts(store, there)))
+
+
+def test_compare_pairs_evaluations_of_two_runs_on_the_same_tasks(tmp_path, capsys):
+    """``RUN:ID`` reads an evaluation from another run's store under the same root; the two are
+    paired task by task when every shared task reads the same, and refused when one does not."""
+    here, there = Store(str(tmp_path), run="a"), Store(str(tmp_path), run="b")
+    round2 = _evaluate(here, _checkpoint(here, "dpo", 2, []), 2)  # first 8 of 12 solved
+    sft = _evaluate(there, _checkpoint(there, "sft", 0, []), 0)  # first 3 solved
+    out = compare(here, round2.id, f"b:{sft.id}").splitlines()
+    assert out[0] == f"{round2.id} (A) against b:{sft.id} (B), paired over the tasks all ran:"
+    xa, xb = [float(i < 8) for i in range(12)], [float(i < 3) for i in range(12)]
+    se = 100 * paired_standard_error(xa, xb)
+    assert out[1] == f"  arith       12 tasks   A  66.7%   B  25.0%   A - B +41.7 ± {se:.1f}*"
+    # The same from the other run's side, through the command line.
+    capsys.readouterr()
+    assert main(["compare", f"a:{round2.id}", sft.id, f"run.store={tmp_path}", "run.name=b"]) == 0
+    assert f"A - B +41.7 ± {se:.1f}*" in capsys.readouterr().out
+    # Another run whose task arith-test-4 reads differently: not paired.
+    other = Store(str(tmp_path), run="c")
+    moved = _evaluate(other, _checkpoint(other, "sft", 0, []), 0)
+    table = other.read(moved).to_pylist()
+    for row in table:
+        if row["task_id"] == "arith-test-4":
+            row["messages"][2]["content"] = "another question"
+    w = other.writer("eval", stage="evaluate", round=0, config={"tag": "moved"}, inputs=[])
+    w.write_shard(0, table)
+    changed = w.commit(summary=moved.summary)
+    with pytest.raises(ValueError, match="task arith-test-4 of env arith reads differently"):
+        compare(here, round2.id, f"c:{changed.id}")
+    with pytest.raises(ArtifactError):
+        compare(here, round2.id, f"no-such-run:{sft.id}")
+    assert main(["compare", "a/b:x", sft.id]) == 2
+    assert "is not a plain name" in capsys.readouterr().err
 
 
 def test_run_spread_by_hand():

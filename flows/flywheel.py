@@ -245,6 +245,28 @@ def one_round(
     return RoundResult(policy, data, trained, spliced, reflected, resampled)
 
 
+def rft_reads_exploration_only(plan: Plan, rounds: int) -> bool:
+    """Whether a walk of ``rounds`` rounds can leave out the last round's training: a stage
+    rerun of rft in that round reads its exploration, which comes before the round's training,
+    and nothing the training writes. Not with grpo.resample, whose second exploration (which
+    rft reads too) samples from a policy the round trained."""
+    return (
+        plan.stop_at == ("rft", rounds)
+        and "explore" in plan.cfg.iteration.data
+        and not plan.cfg.grpo.resample
+    )
+
+
+def explore_only(
+    plan: Plan, round: int, policy: ArtifactRef, boot: dict[str, ArtifactRef]
+) -> RoundResult:
+    """Round r's exploration alone (``rft_reads_exploration_only``): no mining, search or
+    training; the round's policy stays pi_r."""
+    say(f"[round {round}] rft reads this round's exploration only: its other stages do not run")
+    explored = _step(plan, "explore", round, policy, boot["train"])
+    return RoundResult(policy, RoundData(policy, [explored], None, None, explored), trained=[])
+
+
 def train_round(
     plan: Plan, round: int, data: RoundData, boot: dict[str, ArtifactRef]
 ) -> tuple[ArtifactRef, list[ArtifactRef], ArtifactRef | None]:
@@ -307,9 +329,13 @@ def baselines(
 ) -> None:
     """After the last round: each configured baseline trained from the SFT policy and
     evaluated on the same test tasks (sft_more with the rounds' compute, rft on their explore
-    data, grpo's resampled explorations included)."""
+    data, grpo's resampled explorations included). A stage rerun of one baseline runs that one
+    only (they read nothing of each other) and stops after its last evaluation."""
     explored = explorations(rounds)
-    for name in plan.cfg.baselines:
+    names: list[str] = list(plan.cfg.baselines)
+    if plan.stop_at is not None and plan.stop_at[0] in BASELINES:
+        names = [plan.stop_at[0]]
+    for name in names:
         data: tuple[StageInput, ...] = (
             (boot["expert"], [ref for r in rounds for ref in r.trained])
             if name == "sft_more"
@@ -331,9 +357,11 @@ def baselines(
                 *data,
                 val_tasks=boot["val"],
                 val_demos=boot["expert"],
-                last=k == section.repeats - 1,
+                last=False,
             )
             _step(plan, "evaluate", round, ref, boot["test"])
+            if plan.stop_at == (name, round) and k == section.repeats - 1:
+                raise StopAfter(ref)  # a baseline's rerun ends with its evaluation
 
 
 # The stages of a round that run before splice (a walk stopped at one of them in round 1
@@ -366,6 +394,9 @@ def _walk(plan: Plan, rounds: int, with_baselines: bool = True) -> StageResult |
         policy = boot["policy"]
         done: list[RoundResult] = []
         for r in range(1, rounds + 1):
+            if r == rounds and rft_reads_exploration_only(plan, rounds):
+                done.append(explore_only(plan, r, policy, boot))
+                break
             done.append(one_round(plan, r, policy, boot, done))
             policy = done[-1].policy
         if with_baselines and done:

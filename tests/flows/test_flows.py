@@ -212,6 +212,30 @@ def test_no_training_or_selection_stage_reads_the_test_split(tiny_flywheel):
     assert ancestors(sft.id) & (val_ids | {r.id for r in refs.values() if r.stage == "expert"})
 
 
+def test_stage_rft_leaves_out_the_last_rounds_training(tiny_flywheel, tmp_path):
+    """``stage rft --round 1`` on a fresh store: the bootstrap, round 1's exploration, rft and
+    its evaluation, nothing else (no pareto, training or sft_more: rft reads none of them), and
+    the ids are the full run's, so a later full run finds them cache hits."""
+    overrides = tiny_overrides(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rft_id = stage_flow("rft", round=1, overrides=overrides)
+    lines = stage_lines(out.getvalue())
+    assert [(r, s) for r, s, _, _ in lines] == [(0, s) for s in BOOTSTRAP] + [
+        (1, "explore"),
+        (1, "rft"),
+        (1, "evaluate"),
+    ]
+    assert not any(hit for _, _, hit, _ in lines)
+    full = [i for r, s, _, i in tiny_flywheel.lines if r == 1]
+    explored, ran, evaluated = (i for *_, i in lines[-3:])
+    assert rft_id == ran and full[0] == explored  # explore comes first in the full run
+    assert full[-2:] == [ran, evaluated]  # and rft with its evaluation last
+    assert "[round 1] rft reads this round's exploration only" in out.getvalue()
+    stages = {p.parent.parent.name for p in (tmp_path / "store").rglob("manifest.json")}
+    assert stages == set(BOOTSTRAP) | {"explore", "rft"}
+
+
 def test_stage_flow_force_writes_one_new_version_and_stops(tiny_flywheel, tmp_path):
     # a copy of the store: the new sft version would make later runs redo what follows it
     shutil.copytree(tiny_flywheel.root / "store", tmp_path / "store")

@@ -246,7 +246,7 @@ def _plain(text: str) -> str:
 
 def _eval_name(text: str) -> str:
     """An artifact id, or RUN:ID for one of another run's store: each part a plain name."""
-    for part in text.split(":", 1) if ":" in text else [text]:
+    for part in text.split(":", 1):
         _plain(part)
     return text
 

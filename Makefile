@@ -72,15 +72,8 @@ screenshots: install-dev browser
 	FLYWHEEL_SCREENSHOTS=$(abspath docs/images) FLYWHEEL_SCREENSHOT_RUN=$(abspath work) \
 	  $(PY) -m pytest tests/browser
 
-# The demo stops its two validated trainings sooner than configs/default.yaml (patience 2 instead
-# of 4: 100 steps without a better val reading, not 200), which keeps `make demo` under 20 minutes
-# on the slowest 2-core box measured (an Intel Xeon @ 2.50GHz: 1371 s at patience 4, install
-# included). The default keeps 4: the measured recipes in the README and docs use it.
-# `make demo DEMO_ARGS=` runs the default exactly.
-DEMO_ARGS ?= sft.patience=2 rft.patience=2
-
 demo: install
-	$(VENV)/bin/flywheel run --config $(CONFIG) $(DEMO_ARGS)
+	$(VENV)/bin/flywheel run --config $(CONFIG)
 
 test: install-dev browser vllm-env
 	$(PY) -m pytest

@@ -75,8 +75,10 @@ screenshots: install-dev browser
 demo: install
 	$(VENV)/bin/flywheel run --config $(CONFIG)
 
+# --durations: CI's log names the 20 slowest tests, the first place to look when the suite
+# grows past its time (23-27 minutes with install on the slowest 2-core box measured).
 test: install-dev browser vllm-env
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=20
 
 test-fast: install-dev
 	$(PY) -m pytest -m "not slow and not integration"

@@ -1,13 +1,16 @@
 """The docs cannot rot: docs/config.md equals what the config's help text generates, every
 config field has help text, every error message docs/troubleshooting.md quotes is still in the
-source, the recipes' example environment runs, and the README and docs link only to files that
-exist."""
+source, the recipes' example environment runs, every `flywheel ...` command the docs show parses
+and names only config keys that exist, and the README and docs link only to files that exist."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import io
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,8 +18,15 @@ import pytest
 import yaml
 
 from flywheel.agent import expert_episodes
-from flywheel.cli import main
-from flywheel.config import EnvConfig, config_from_dict, config_reference, field_help
+from flywheel.cli import _config_path, _parse, main
+from flywheel.config import (
+    ConfigError,
+    EnvConfig,
+    config_from_dict,
+    config_reference,
+    field_help,
+    load_config,
+)
 from flywheel.envs import make_suite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,3 +154,85 @@ def test_links_point_to_files_that_exist():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, f"links to missing files: {broken}"
+
+
+# A documented command: `flywheel ...` at the start of a code block's line (continuations joined;
+# after `&&` too), or in inline code in the prose.
+COMMAND_LINE = re.compile(r"^\s*(?:\$ )?(?:.*&&\s*)?(?:\.venv/bin/)?flywheel\s+(.*)$", re.M)
+COMMAND_INLINE = re.compile(r"`(?:\.venv/bin/)?flywheel ([^`]+)`")
+# What a reader fills in: <id>, ..., $VAR, an [optional] part, a capitalised name (NAME, R, LR).
+PLACEHOLDER = re.compile(r"<|\.\.\.|\$|(?:^|\s)\[[a-z]|(?:^|[\s=])[A-Z][A-Z_]*(?=\s|$)")
+
+
+def documented_commands(text: str) -> list[str]:
+    """The arguments of every `flywheel` command in a markdown text that has no placeholder."""
+    found = []
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        found += [re.sub(r"\s+", " ", line.split(" #")[0]) for line in COMMAND_LINE.findall(joined)]
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    found += [re.sub(r"\s+", " ", m) for m in COMMAND_INLINE.findall(prose)]
+    return [c.strip() for c in found if c.strip() and not PLACEHOLDER.search(c)]
+
+
+def command_problem(command: str) -> str | None:
+    """Why `flywheel <command>` would be refused before any work: a subcommand or option the
+    CLI does not have, or an override the config rejects (checked against the default config).
+    None when it parses; a mention without the values it needs (`flywheel compare`,
+    `flywheel show --source`) passes."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as err:
+        return f"not shell words: {err}"
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = _parse(argv)
+    except SystemExit:
+        message = err.getvalue().strip()
+        mention = "arguments are required" in message or "expected one argument" in message
+        return None if mention else message
+    overrides = [o for o in getattr(args, "overrides", None) or [] if "=" in o]
+    try:
+        load_config(_config_path(None), overrides)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_documented_commands_parse_and_name_existing_config_keys():
+    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), ROOT / "benchmarks" / "README.md"]
+    checked, stale = 0, []
+    for page in pages:
+        for command in documented_commands(page.read_text()):
+            checked += 1
+            problem = command_problem(command)
+            if problem:
+                stale.append(f"{page.relative_to(ROOT)}: flywheel {command[:80]}: {problem}")
+    assert checked >= 100
+    assert not stale, "documented commands the CLI refuses:\n" + "\n".join(stale)
+
+
+def test_a_stale_documented_command_is_caught():
+    """The check above finds a removed option, subcommand or config key, and skips what a
+    reader fills in."""
+    text = (
+        "Run `flywheel run sft.lr=1e-3 run.rounds=1` or\n\n```bash\n.venv/bin/flywheel stage rft \\\n"
+        "  --round 1 rft.nope=2   # a comment\ncd x && flywheel report --json\n```\n"
+        "then `flywheel show <id>`, `flywheel stage NAME --round R`, `flywheel run [a.b=1]`"
+        " and `flywheel run iteration.data=[explore,mcts]`."
+    )
+    assert documented_commands(text) == [
+        "stage rft --round 1 rft.nope=2",
+        "report --json",
+        "run sft.lr=1e-3 run.rounds=1",
+        "run iteration.data=[explore,mcts]",
+    ]
+    assert command_problem("run sft.lr=1e-3 run.rounds=1") is None
+    assert command_problem("report --json") is None
+    assert command_problem("compare") is None  # mentions of a subcommand, an option
+    assert command_problem("show --source") is None
+    assert "rft.nope" in (command_problem("stage rft --round 1 rft.nope=2") or "")
+    assert "invalid choice" in (command_problem("evaluate --round 1") or "")
+    assert "unrecognized" in (command_problem("report --jsonl") or "")
+    assert "sft.lr" in (command_problem("run sft.lr=fast") or "")

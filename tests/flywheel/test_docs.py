@@ -1,7 +1,8 @@
 """The docs cannot rot: docs/config.md equals what the config's help text generates, every
 config field has help text, every error message docs/troubleshooting.md quotes is still in the
 source, the recipes' example environment runs, every `flywheel ...` command the docs show parses
-and names only config keys that exist, and the README and docs link only to files that exist."""
+and names only config keys and env options that exist, and the README and docs link only to
+files that exist."""
 
 from __future__ import annotations
 
@@ -177,7 +178,8 @@ def documented_commands(text: str) -> list[str]:
 
 def command_problem(command: str) -> str | None:
     """Why `flywheel <command>` would be refused before any work: a subcommand or option the
-    CLI does not have, or an override the config rejects (checked against the default config).
+    CLI does not have, an override the config rejects (checked against the default config), or
+    an env option the env does not have.
     None when it parses; a mention without the values it needs (`flywheel compare`,
     `flywheel show --source`) passes."""
     try:
@@ -194,8 +196,10 @@ def command_problem(command: str) -> str | None:
         return None if mention else message
     overrides = [o for o in getattr(args, "overrides", None) or [] if "=" in o]
     try:
-        load_config(_config_path(None), overrides)
-    except ConfigError as error:
+        cfg = load_config(_config_path(None), overrides)
+        for env in cfg.envs:
+            make_suite(env)  # refuses options the env does not have
+    except (ConfigError, ValueError) as error:
         return str(error)
     return None
 
@@ -236,3 +240,4 @@ def test_a_stale_documented_command_is_caught():
     assert "invalid choice" in (command_problem("evaluate --round 1") or "")
     assert "unrecognized" in (command_problem("report --jsonl") or "")
     assert "sft.lr" in (command_problem("run sft.lr=fast") or "")
+    assert "distractorz" in (command_problem("run envs.0.options.max_distractorz=5") or "")

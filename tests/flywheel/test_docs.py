@@ -241,3 +241,19 @@ def test_a_stale_documented_command_is_caught():
     assert "unrecognized" in (command_problem("report --jsonl") or "")
     assert "sft.lr" in (command_problem("run sft.lr=fast") or "")
     assert "distractorz" in (command_problem("run envs.0.options.max_distractorz=5") or "")
+
+
+def test_documented_yaml_configs_load():
+    """Every YAML block of the README and docs is a config (or part of one) that loads."""
+    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), ROOT / "benchmarks" / "README.md"]
+    blocks = [(page, b) for page in pages for b in _blocks(page.read_text(), "ya?ml")]
+    assert len(blocks) >= 10
+    for page, block in blocks:
+        data = yaml.safe_load(block)
+        assert isinstance(data, dict), f"{page.relative_to(ROOT)}: a YAML block is not a mapping"
+        try:
+            config_from_dict(data)
+        except ConfigError as error:
+            pytest.fail(f"{page.relative_to(ROOT)}: a YAML block does not load: {error}")
+    with pytest.raises(ConfigError, match="sft.lrr"):
+        config_from_dict(yaml.safe_load("sft:\n  lrr: 1.0e-3\n"))

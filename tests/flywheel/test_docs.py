@@ -1,8 +1,8 @@
 """The docs cannot rot: docs/config.md equals what the config's help text generates, every
 config field has help text, every error message docs/troubleshooting.md quotes is still in the
 source, the recipes' example environment runs, every `flywheel ...` command the docs show parses
-and names only config keys and env options that exist, and the README and docs link only to
-files that exist."""
+and names only config keys and env options that exist, every YAML block loads as a config, and
+the README and docs link only to files that exist."""
 
 from __future__ import annotations
 

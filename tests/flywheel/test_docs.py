@@ -1,7 +1,8 @@
 """The docs cannot rot: docs/config.md equals what the config's help text generates, every
 config field has help text, every error message docs/troubleshooting.md quotes is still in the
 source, the recipes' example environment runs, every `flywheel ...` command the docs show parses
-and names only config keys and env options that exist, every YAML block loads as a config, and
+and names only config keys and env options that exist, every YAML block loads as a config and
+every Python block parses, and
 the README and docs link only to files that exist."""
 
 from __future__ import annotations
@@ -257,3 +258,15 @@ def test_documented_yaml_configs_load():
             pytest.fail(f"{page.relative_to(ROOT)}: a YAML block does not load: {error}")
     with pytest.raises(ConfigError, match="sft.lrr"):
         config_from_dict(yaml.safe_load("sft:\n  lrr: 1.0e-3\n"))
+
+
+def test_documented_python_is_valid_python():
+    """Every Python block of the README and docs parses (sketches use `...` for bodies)."""
+    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), ROOT / "benchmarks" / "README.md"]
+    blocks = [(page, b) for page in pages for b in _blocks(page.read_text(), "python")]
+    assert len(blocks) >= 5
+    for page, block in blocks:
+        try:
+            ast.parse(block)
+        except SyntaxError as error:
+            pytest.fail(f"{page.relative_to(ROOT)}: a Python block does not parse: {error}")

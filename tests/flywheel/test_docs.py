@@ -2,8 +2,7 @@
 config field has help text, every error message docs/troubleshooting.md quotes is still in the
 source, the recipes' example environment runs, every `flywheel ...` command the docs show parses
 and names only config keys and env options that exist, every YAML block loads as a config and
-every Python block parses, and
-the README and docs link only to files that exist."""
+every Python block parses, and the README and docs link only to files that exist."""
 
 from __future__ import annotations
 

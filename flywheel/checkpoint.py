@@ -8,6 +8,7 @@ Written by a training stage and read back by the next one:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -18,6 +19,20 @@ from data_contracts.checkpoints import REQUIRED_FILES
 from flywheel.store import MANIFEST, ArtifactError, ArtifactRef, ArtifactWriter, Store
 
 TRAIN_LOG = "train_log.jsonl"  # per-step training metrics next to the weights
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 over a checkpoint folder's weight files (names and bytes, in name order). Two
+    checkpoints with one digest hold the same weights: a training step that kept its start, or
+    a round that passed its policy on, has its parent's digest."""
+    digest = hashlib.sha256()
+    for path in sorted({p for pattern in WEIGHT_FILES for p in folder.glob(pattern)}):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_checkpoint(
@@ -63,6 +78,7 @@ def write_checkpoint(
         # Every checkpoint says what it cost; train_summary() overrides this for a trained one,
         # so a step that passed its policy on (no pairs, no groups) counts 0 for sft_more.
         "train_tokens": 0,
+        "weights_sha256": weights_digest(out),
     }
     if not math.isnan(row["final_loss"]):
         info["final_loss"] = row["final_loss"]

@@ -12,11 +12,17 @@ whose ``info`` flags ``invalid``, ``error`` or ``tool_error`` are counted; among
 at least one, the share that still succeeded (``flywheel.metrics``). An env that cannot be
 replayed exactly (a remote server, a workflow) gets no recovery keys.
 
+A policy whose weights equal those of a policy the store already evaluated on the same tasks
+with the same decoding, engine and env settings (the same ``weights_sha256``: a DPO or GRPO step
+that kept its start, a round that passed its policy on) is not played again: that evaluation's
+episodes are copied under this policy's id, and the manifest names it (``reused_from``).
+
     flywheel stage evaluate --round 1
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -30,7 +36,7 @@ from flywheel.engines.base import SamplingParams
 from flywheel.envs import EnvSuite, Task, make_suite
 from flywheel.envs.base import has_snapshot
 from flywheel.metrics import flatten, recall_at_k, summarize
-from flywheel.store import ArtifactRef, Store
+from flywheel.store import ArtifactError, ArtifactRef, ArtifactWriter, Store
 from stages._common import load_tasks, rollout_setup, run_in_shards
 
 EVAL_KEYS = (
@@ -79,6 +85,17 @@ def run(
     )
     if w.cached:
         return w.ref
+    # Reused only into an empty writer: shards a killed rollout left are finished instead.
+    fresh = not force and not w.finished_shards()
+    twin = evaluated_twin(cfg, store, policy, tasks) if fresh else None
+    if twin is not None:
+        print(
+            f"evaluate: {policy.id} holds the weights of {twin.manifest['policy']} (same sha256); "
+            f"the episodes of {twin.id} are reused",
+            flush=True,
+        )
+        w.write_shard(0, relabel(store.read(twin), policy, round))
+        return _commit(cfg, store, w, policy, tasks, extra={"reused_from": twin.id})
     ev = cfg.evaluate
     with rollout_setup(
         cfg, store, policy, tasks, split="test", limit=ev.n_tasks, label="evaluate"
@@ -123,6 +140,18 @@ def run(
             rollout=rollout,
             label="evaluate",
         )
+    return _commit(cfg, store, w, policy, tasks)
+
+
+def _commit(
+    cfg: Config,
+    store: Store,
+    w: ArtifactWriter,
+    policy: ArtifactRef,
+    tasks: ArtifactRef,
+    extra: dict[str, Any] | None = None,
+) -> ArtifactRef:
+    """The summary of the episodes written (replays included) and the artifact committed."""
     table = w.read_shards()
     frame = cast(pl.DataFrame, pl.from_arrow(table.drop("messages")))
     replayed = replay_columns(cfg, store, tasks, table)
@@ -131,7 +160,43 @@ def run(
     summary = flatten(summarize(frame))
     for (env, level), group in frame.group_by(["env", "difficulty"]):
         summary[f"{env}/success_rate_d{level}"] = float(cast(float, group["success"].mean()))
-    return w.commit(summary=summary, extra={"policy": policy.id, "policy_stage": policy.stage})
+    return w.commit(
+        summary=summary,
+        extra={"policy": policy.id, "policy_stage": policy.stage, **(extra or {})},
+    )
+
+
+def evaluated_twin(
+    cfg: Config, store: Store, policy: ArtifactRef, tasks: ArtifactRef
+) -> ArtifactRef | None:
+    """An evaluation in the store of another policy with ``policy``'s weights (its
+    ``weights_sha256``), on the same tasks, with the same decoding, engine and env settings: its
+    episodes are the ones this evaluation would play. None when there is none."""
+    digest = policy.summary.get("weights_sha256")
+    if not digest:
+        return None
+    want = json.loads(json.dumps(artifact_config(cfg, policy)))
+    for ref in store.list(stage="evaluate"):
+        if ref.inputs[0] == policy.id or ref.inputs[1:] != [tasks.id]:
+            continue
+        config = ref.manifest.get("config", {})
+        if any(config.get(key) != want[key] for key in ("evaluate", "engine", "envs")):
+            continue
+        try:
+            other = store.get(ref.inputs[0])
+        except ArtifactError:
+            continue
+        if other.summary.get("weights_sha256") == digest:
+            return ref
+    return None
+
+
+def relabel(table: pa.Table, policy: ArtifactRef, round: int) -> pa.Table:
+    """Another evaluation's episodes as this policy's: its id, stage and round on every row."""
+    for name, value in (("policy", policy.id), ("policy_stage", policy.stage), ("round", round)):
+        column = pa.array([value] * table.num_rows, type=table.schema.field(name).type)
+        table = table.set_column(table.schema.get_field_index(name), name, column)
+    return table
 
 
 def replay_infos(suite: EnvSuite, task: Task, messages: list[dict[str, Any]]) -> list[dict]:

@@ -17,7 +17,7 @@ import stages.explore
 import stages.init
 import stages.sft
 import stages.tasks
-from flywheel.checkpoint import load_policy
+from flywheel.checkpoint import load_policy, unchanged_checkpoint
 from flywheel.config import load_config
 from flywheel.store import ArtifactError, Store
 from stages._common import load_tasks
@@ -295,3 +295,38 @@ def test_explore_rounds_take_successive_windows_of_the_train_tasks(chain):
     ids1 = pl.from_arrow(store.read(r1, columns=["task_id"]))["task_id"].unique().sort().to_list()
     ids2 = pl.from_arrow(store.read(r2, columns=["task_id"]))["task_id"].unique().sort().to_list()
     assert ids1 == sorted(windows[0]) and ids2 == sorted(windows[1])
+
+
+def test_a_policy_with_evaluated_weights_reuses_that_evaluation(chain, monkeypatch):
+    """A checkpoint with the SFT policy's weights under another id (a round that passed its
+    policy on) is evaluated by copying the SFT evaluation's episodes, without playing any."""
+    cfg, store, refs = chain
+    sft, test = refs["sft"], refs["test"]
+    digest = sft.summary["weights_sha256"]
+    assert len(digest) == 64 and digest != refs["init"].summary["weights_sha256"]
+    w = store.writer("checkpoints", stage="dpo", round=1, config={"twin": 1}, inputs=[sft.id])
+    twin = unchanged_checkpoint(w, store, sft, stage="dpo", round=1, reason="a test")
+    assert twin.summary["weights_sha256"] == digest
+
+    # Other settings (a temperature no evaluation here used), other tasks, or only its own
+    # evaluation: nothing to reuse.
+    hot = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"temperature": 0.3})})
+    assert stages.evaluate.evaluated_twin(hot, store, twin, test) is None
+    assert stages.evaluate.evaluated_twin(cfg, store, twin, refs["val"]) is None
+    assert stages.evaluate.evaluated_twin(cfg, store, refs["init"], test) is None
+    assert stages.evaluate.evaluated_twin(cfg, store, twin, test).id == refs["eval_sft"].id
+
+    def no_episodes(*args, **kwargs):
+        raise AssertionError("an evaluation that could be reused played its episodes")
+
+    monkeypatch.setattr(stages.evaluate, "run_episodes", no_episodes)
+    ev = stages.evaluate.run(cfg, store, twin, test, round=1)
+    assert ev.manifest["reused_from"] == refs["eval_sft"].id
+    assert ev.manifest["policy"] == twin.id and ev.summary == refs["eval_sft"].summary
+    mine, theirs = store.read(ev), store.read(refs["eval_sft"])
+    labels = ["policy", "policy_stage", "round"]
+    assert mine.drop(labels).equals(theirs.drop(labels))
+    rows = pl.from_arrow(mine.select(labels))
+    assert rows.unique().rows() == [(twin.id, "dpo", 1)]
+    with pytest.raises(AssertionError, match="played its episodes"):  # force plays them again
+        stages.evaluate.run(cfg, store, twin, test, round=1, force=True)

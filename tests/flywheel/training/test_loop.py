@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from flywheel.checkpoint import weights_digest
 from flywheel.config import TrainSection
 from flywheel.training import data, loop
 from flywheel.training.loop import LossParams, TrainResult, compute_ref_logps, deepspeed_config
@@ -444,6 +445,23 @@ def test_early_stopping_keeps_the_best_validated_weights(tmp_path: Path) -> None
     validated = [h for h in result.history if "val_score" in h]
     assert [h["step"] for h in validated] == [0, 2, 4, 6, 8, 10]
     assert validated[2]["val_made_up"] == 0.5
+
+
+def test_a_run_that_keeps_step_0_saves_its_start_byte_for_byte(tmp_path: Path) -> None:
+    """No validation beats step 0: the saved weights are the start's, file for file, so the
+    checkpoint has its parent's weights_sha256 (and an evaluation of the parent can be reused)."""
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "start")
+    curve = iter([0.5, 0.1, 0.2])
+    cfg = CFG | {"epochs": 50, "val_every": 1, "patience": 2}
+    out = tmp_path / "out"
+    result = train(
+        model, counting(8), loss="sft", cfg=cfg, out_dir=out,
+        validate=lambda m: {"score": next(curve)},
+    )  # fmt: skip
+    assert (result.steps, result.best_step) == (2, 0)
+    assert list(out.glob("*.safetensors")) and list((tmp_path / "start").glob("*.safetensors"))
+    assert weights_digest(out) == weights_digest(tmp_path / "start")
 
 
 # Validation scores by step for the lr-drop tests: best at step 2, then two worse validations

@@ -15,7 +15,8 @@ replayed exactly (a remote server, a workflow) gets no recovery keys.
 A policy whose weights equal those of a policy the store already evaluated on the same tasks
 with the same decoding, engine and env settings (the same ``weights_sha256``: a DPO or GRPO step
 that kept its start, a round that passed its policy on) is not played again: that evaluation's
-episodes are copied under this policy's id, and the manifest names it (``reused_from``).
+episodes and summary are copied under this policy's id, and the manifest names it
+(``reused_from``).
 
     flywheel stage evaluate --round 1
 """
@@ -36,7 +37,7 @@ from flywheel.engines.base import SamplingParams
 from flywheel.envs import EnvSuite, Task, make_suite
 from flywheel.envs.base import has_snapshot
 from flywheel.metrics import flatten, recall_at_k, summarize
-from flywheel.store import ArtifactError, ArtifactRef, ArtifactWriter, Store
+from flywheel.store import ArtifactError, ArtifactRef, Store
 from stages._common import load_tasks, rollout_setup, run_in_shards
 
 EVAL_KEYS = (
@@ -95,7 +96,8 @@ def run(
             flush=True,
         )
         w.write_shard(0, relabel(store.read(twin), policy, round))
-        return _commit(cfg, store, w, policy, tasks, extra={"reused_from": twin.id})
+        # The same episodes give the same summary (recovery replays included): copied, not redone.
+        return w.commit(summary=dict(twin.summary), extra=_extra(policy, reused_from=twin.id))
     ev = cfg.evaluate
     with rollout_setup(
         cfg, store, policy, tasks, split="test", limit=ev.n_tasks, label="evaluate"
@@ -140,18 +142,6 @@ def run(
             rollout=rollout,
             label="evaluate",
         )
-    return _commit(cfg, store, w, policy, tasks)
-
-
-def _commit(
-    cfg: Config,
-    store: Store,
-    w: ArtifactWriter,
-    policy: ArtifactRef,
-    tasks: ArtifactRef,
-    extra: dict[str, Any] | None = None,
-) -> ArtifactRef:
-    """The summary of the episodes written (replays included) and the artifact committed."""
     table = w.read_shards()
     frame = cast(pl.DataFrame, pl.from_arrow(table.drop("messages")))
     replayed = replay_columns(cfg, store, tasks, table)
@@ -160,10 +150,12 @@ def _commit(
     summary = flatten(summarize(frame))
     for (env, level), group in frame.group_by(["env", "difficulty"]):
         summary[f"{env}/success_rate_d{level}"] = float(cast(float, group["success"].mean()))
-    return w.commit(
-        summary=summary,
-        extra={"policy": policy.id, "policy_stage": policy.stage, **(extra or {})},
-    )
+    return w.commit(summary=summary, extra=_extra(policy))
+
+
+def _extra(policy: ArtifactRef, **more: str) -> dict[str, str]:
+    """What an evaluation's manifest says of the policy it evaluated (the report's row)."""
+    return {"policy": policy.id, "policy_stage": policy.stage, **more}
 
 
 def evaluated_twin(

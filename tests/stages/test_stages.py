@@ -320,6 +320,7 @@ def test_a_policy_with_evaluated_weights_reuses_that_evaluation(chain, monkeypat
         raise AssertionError("an evaluation that could be reused played its episodes")
 
     monkeypatch.setattr(stages.evaluate, "run_episodes", no_episodes)
+    monkeypatch.setattr(stages.evaluate, "replay_columns", no_episodes)  # summary copied too
     ev = stages.evaluate.run(cfg, store, twin, test, round=1)
     assert ev.manifest["reused_from"] == refs["eval_sft"].id
     assert ev.manifest["policy"] == twin.id and ev.summary == refs["eval_sft"].summary

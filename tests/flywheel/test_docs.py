@@ -157,6 +157,11 @@ def test_links_point_to_files_that_exist():
     assert not broken, f"links to missing files: {broken}"
 
 
+def doc_pages() -> list[Path]:
+    """The pages whose commands, configs and code the checks below read."""
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), ROOT / "benchmarks" / "README.md"]
+
+
 # A documented command: `flywheel ...` at the start of a code block's line (continuations joined;
 # after `&&` too), or in inline code in the prose.
 COMMAND_LINE = re.compile(r"^\s*(?:\$ )?(?:.*&&\s*)?(?:\.venv/bin/)?flywheel\s+(.*)$", re.M)
@@ -205,9 +210,8 @@ def command_problem(command: str) -> str | None:
 
 
 def test_documented_commands_parse_and_name_existing_config_keys():
-    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), ROOT / "benchmarks" / "README.md"]
     checked, stale = 0, []
-    for page in pages:
+    for page in doc_pages():
         for command in documented_commands(page.read_text()):
             checked += 1
             problem = command_problem(command)
@@ -245,8 +249,7 @@ def test_a_stale_documented_command_is_caught():
 
 def test_documented_yaml_configs_load():
     """Every YAML block of the README and docs is a config (or part of one) that loads."""
-    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), ROOT / "benchmarks" / "README.md"]
-    blocks = [(page, b) for page in pages for b in _blocks(page.read_text(), "ya?ml")]
+    blocks = [(page, b) for page in doc_pages() for b in _blocks(page.read_text(), "ya?ml")]
     assert len(blocks) >= 10
     for page, block in blocks:
         data = yaml.safe_load(block)
@@ -261,8 +264,7 @@ def test_documented_yaml_configs_load():
 
 def test_documented_python_is_valid_python():
     """Every Python block of the README and docs parses (sketches use `...` for bodies)."""
-    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), ROOT / "benchmarks" / "README.md"]
-    blocks = [(page, b) for page in pages for b in _blocks(page.read_text(), "python")]
+    blocks = [(page, b) for page in doc_pages() for b in _blocks(page.read_text(), "python")]
     assert len(blocks) >= 5
     for page, block in blocks:
         try:

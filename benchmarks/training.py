@@ -63,7 +63,7 @@ from flywheel.config import SftConfig, load_config
 from flywheel.envs import make_suite
 from flywheel.model import build_tiny_policy
 from flywheel.training import data, losses
-from flywheel.training.loop import init_distributed, train
+from flywheel.training.loop import init_distributed, length_slices, train
 from stages.expert import spread
 from stages.sft import encode_rows
 
@@ -307,6 +307,58 @@ def compare(
     )
 
 
+def compare_splits(
+    initial: torch.nn.Module,
+    examples: list[data.Example],
+    base: SftConfig,
+    args: argparse.Namespace,
+) -> None:
+    """The loop at each ``--length-split`` value on the same steps (the first bucket value):
+    speed against the first split value, and how far the trained weights move from its."""
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    bucket = args.bucket_batches[0]
+    plan = plan_steps(
+        lengths, base.model_copy(update={"bucket_batches": bucket}), args.seed, args.steps
+    )
+    runs: dict[int, list[Run]] = {n: [] for n in args.length_split}
+    weights: dict[int, torch.Tensor] = {}
+    for i in range(args.repeats):
+        order = args.length_split if i % 2 == 0 else args.length_split[::-1]
+        for n in order:
+            sc = base.model_copy(update={"bucket_batches": bucket, "length_split": n})
+            model = copy.deepcopy(initial)
+            torch.set_num_threads(args.threads)
+            runs[n].append(run_loop(model, examples, sc, args.seed))
+            weights[n] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    first = args.length_split[0]
+    ref = best_run(runs[first])
+    ref_speed = ref.steady()[1] / ref.steady()[0]
+    print(
+        f"\nlength_split, the loop at bucket_batches {bucket} on the same {args.steps} steps "
+        f"(each slice padded to its own longest; ratios against length_split {first}):"
+    )
+    print(
+        f"{'split':>5} {'steady s':>8} {'tokens/s':>9} {'padding':>8} {'vs ' + str(first):>7} "
+        f"{'cpu vs':>7} {'total s':>8} {'final loss':>11} {'max |dw|':>9}"
+    )
+    for n in args.length_split:
+        run = best_run(runs[n])
+        seconds, tokens = run.steady()
+        pieces = [
+            [len(ex["input_ids"]) for ex in piece]
+            for step in plan[1:]
+            for batch in step
+            for piece, _ in length_slices([examples[i] for i in batch], "sft", n)
+        ]
+        padding = 1 - sum(map(sum, pieces)) / sum(max(p) * len(p) for p in pieces)
+        dw = float((weights[n] - weights[first]).abs().max())
+        print(
+            f"{n:>5} {seconds:>8.2f} {tokens / seconds:>9.0f} {padding:>8.1%} "
+            f"{tokens / seconds / ref_speed:>6.2f}x {ref.steady_cpu() / run.steady_cpu():>6.2f}x "
+            f"{run.total_s:>8.2f} {run.losses[-1]:>11.6f} {dw:>9.1e}"
+        )
+
+
 def profile(
     initial: torch.nn.Module,
     examples: list[data.Example],
@@ -390,6 +442,13 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
     )
+    parser.add_argument(
+        "--length-split",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also run the loop at these sft.length_split values (e.g. 1 2 4), ratios to the first",
+    )
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many steps of each")
     parser.add_argument("--profile-top", type=int, default=20, help="profile rows printed")
     args = parser.parse_args()
@@ -430,6 +489,8 @@ def main() -> None:
         "other work); total s and e2e vs: the whole call, set-up and the loop's save included "
         "(not the one-off above)"
     )
+    if args.length_split:
+        compare_splits(initial, examples, base, args)
     if args.profile:
         profile(initial, examples, base, args)
 

@@ -265,10 +265,11 @@ class EngineConfig(Section):
     )
 
 
-# Training knobs that change the speed and not the trained weights: where the ranks run and when
-# the train state is saved. Artifact ids and a train state's fingerprint leave them out.
+# Training knobs that change the speed and not the trained weights (beyond float rounding): where
+# the ranks run, how a micro-batch is cut into passes, and when the train state is saved. Artifact
+# ids and a train state's fingerprint leave them out.
 SPEED_ONLY_TRAIN_FIELDS = frozenset(
-    {"world_size", "hostfile", "checkpoint_every", "checkpoint_minutes"}
+    {"world_size", "hostfile", "length_split", "checkpoint_every", "checkpoint_minutes"}
 )
 
 
@@ -394,7 +395,17 @@ class TrainSection(Section):
         return in_checkout if in_checkout.is_file() else path
 
 
-class SftConfig(TrainSection):
+class SftLossSection(TrainSection):
+    """A training section whose loss is the masked CE (sft, sft_more, rft)."""
+
+    length_split: int = Field(
+        default=1,
+        ge=1,
+        description="Run each micro-batch as this many forward/backward passes over slices of similar length (sorted, equal counts), each slice's loss weighted by its share of the micro-batch's trained tokens: the same examples and gradient per step (to float rounding) with less padding; 1 = one pass. Changes the speed, not the result (not part of artifact ids).",
+    )
+
+
+class SftConfig(SftLossSection):
     """Round 0: the bootstrap policy on the expert trajectories; later rounds: good paths."""
 
     with_expert: bool = Field(
@@ -428,7 +439,7 @@ class SftConfig(TrainSection):
         return super().artifact_dump(skip | {"replay"} | (exclude or set()))
 
 
-class BaselineSection(TrainSection):
+class BaselineSection(SftLossSection):
     """A baseline's training knobs, with a seed of its own so its spread can be measured alone."""
 
     seed: int | None = Field(

@@ -19,7 +19,9 @@ can give). A token
 budget (`max_tokens`) stops training once that many tokens were trained (compute matching). The loop wraps the model in a
 DeepSpeed engine (ZeRO stage from the config; gloo on CPU, the accelerator's backend elsewhere),
 with a torch AdamW and a warmup + cosine LambdaLR, walks length-bucketed micro-batches, and saves a
-Hugging Face folder (model only; the caller saves the tokenizer) to `out_dir`.
+Hugging Face folder (model only; the caller saves the tokenizer) to `out_dir`. With the sft loss,
+`cfg.length_split` > 1 runs each micro-batch as that many length-sorted slices weighted by their
+trained tokens (`length_slices`): the same gradient with less padding.
 
 Single process: call `train()` directly; the rank/world/master variables are filled in when
 missing. Several processes: the stages go through `flywheel.training.launch.run_training`, which
@@ -140,6 +142,9 @@ def train(
     from deepspeed.accelerator import get_accelerator
 
     lengths = [data.example_length(ex, loss) for ex in examples]
+    split = getattr(cfg, "length_split", 1)  # the sft-loss sections have it (SftLossSection)
+    if split > 1 and loss != "sft":
+        raise ValueError(f"length_split applies to the sft loss only, not {loss}")
     accum = _rank_accum(cfg, world)
     steps_per_epoch = math.ceil(len(_local_batches(lengths, cfg, seed, 0, rank, world)) / accum)
     total = cfg.epochs * steps_per_epoch
@@ -223,7 +228,7 @@ def train(
             group = local[batch_index : batch_index + accum]
             lr = scheduler.get_last_lr()[0]
             micro_batches = [[examples[i] for i in b] for b in group]
-            record = _train_step(engine, micro_batches, loss, params, ref_model)
+            record = _train_step(engine, micro_batches, loss, params, ref_model, split)
             step += 1
             st.tokens += int(record["tokens"])
             record.update(step=step, epoch=epoch, lr=lr)
@@ -364,20 +369,27 @@ def _train_step(
     kind: data.Kind,
     params: LossParams,
     ref_model: Any,
+    length_split: int = 1,
 ) -> dict:
-    """Forward/backward every micro-batch of one optimizer step, then step; return the step's numbers."""
+    """Forward/backward every micro-batch of one optimizer step (each in `length_split` slices,
+    see `length_slices`), then step; return the step's numbers."""
     totals: dict[str, float] = {}
     tokens = 0
-    for i, examples in enumerate(micro_batches):
+    passes = [
+        (piece, weight / len(micro_batches))
+        for examples in micro_batches
+        for piece, weight in length_slices(examples, kind, length_split)
+    ]
+    for i, (examples, weight) in enumerate(passes):
         # The last step of an epoch may hold fewer micro-batches than grad_accum: the boundary is
         # set by hand and the loss scaled by the real count, not by DeepSpeed's fixed one.
-        engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+        engine.set_gradient_accumulation_boundary(i == len(passes) - 1)
         batch = {k: v.to(engine.device) for k, v in data.collate(examples, kind).items()}
         value, stats = _batch_loss(engine, batch, kind, params, ref_model)
-        engine.backward(value / len(micro_batches), scale_wrt_gas=False)
+        engine.backward(value * weight, scale_wrt_gas=False)
         engine.step()
         for name, v in {"loss": value.detach(), **stats}.items():
-            totals[name] = totals.get(name, 0.0) + float(v) / len(micro_batches)
+            totals[name] = totals.get(name, 0.0) + float(v) * weight
         tokens += int(sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask")))
     if dist.get_world_size() > 1:
         # Report the mean loss and total tokens over ranks; other stats stay those of this rank.
@@ -385,6 +397,32 @@ def _train_step(
         dist.all_reduce(summed)
         totals["loss"], tokens = summed[0].item() / dist.get_world_size(), int(summed[1].item())
     return totals | {"tokens": tokens}
+
+
+def length_slices(
+    examples: list[data.Example], kind: data.Kind, split: int
+) -> list[tuple[list[data.Example], float]]:
+    """One micro-batch as up to `split` slices of similar length, each with the weight that makes
+    the weighted sum of the slices' losses the micro-batch's loss.
+
+    The masked CE is a mean over the trained tokens, so a slice's weight is its share of them: the
+    gradient equals the whole micro-batch's (to float rounding), while each slice is padded only
+    to its own longest sequence. A slice without trained tokens adds nothing and is left out.
+    Only the sft loss splits this way (DPO's is a mean over pairs plus a token mean, GRPO's has
+    its own normalisers); `split` 1 is the micro-batch as it is.
+    """
+    if split <= 1 or len(examples) < 2:
+        return [(examples, 1.0)]
+    if kind != "sft":
+        raise ValueError(f"length_split applies to the sft loss only, not {kind}")
+    ordered = sorted(examples, key=lambda ex: data.example_length(ex, kind))
+    n = min(split, len(ordered))
+    slices = [ordered[k * len(ordered) // n : (k + 1) * len(ordered) // n] for k in range(n)]
+    trained = [sum(sum(ex["loss_mask"][1:]) for ex in piece) for piece in slices]
+    total = sum(trained)
+    if total == 0:
+        return [(examples, 1.0)]
+    return [(piece, t / total) for piece, t in zip(slices, trained, strict=True) if t > 0]
 
 
 def _batch_loss(

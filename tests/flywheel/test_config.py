@@ -176,3 +176,20 @@ def test_round_sft_steps_take_their_own_lr_and_patience():
     assert section(cfg, 2).val_metric == "success"
     plain = load_config("configs/default.yaml", ["sft.patience=6"])
     assert (section(plain, 1).lr, section(plain, 1).patience) == (plain.sft.lr, 6)
+
+
+def test_length_split_is_a_speed_knob_of_the_sft_loss_sections():
+    base = load_config(None)
+    split = load_config(
+        None, ["sft.length_split=2", "rft.length_split=3", "sft_more.length_split=2"]
+    )
+    for name in ("sft", "rft", "sft_more"):
+        assert getattr(split, name).length_split > 1
+        # The same gradient to float rounding: artifact ids do not change.
+        assert getattr(split, name).artifact_dump() == getattr(base, name).artifact_dump()
+    assert split.sft.model_dump() != base.sft.model_dump()  # the manifest's config records it
+    for name in ("dpo", "grpo"):  # their losses do not split by trained tokens
+        with pytest.raises(ConfigError, match=rf"unknown key {name}\.length_split"):
+            load_config(None, [f"{name}.length_split=2"])
+    with pytest.raises(ConfigError, match=r"sft\.length_split"):
+        load_config(None, ["sft.length_split=0"])

@@ -629,3 +629,72 @@ def test_the_step_that_spends_the_token_budget_is_validated(tmp_path: Path) -> N
     )  # fmt: skip
     assert result.stop_reason == "tokens" and result.steps < 50
     assert len(seen) == 2 and result.best_step == result.steps  # step 0, then the last step
+
+
+def test_length_slices_give_the_micro_batch_loss_and_gradient() -> None:
+    examples = counting(11, seed=3)
+    examples.append({"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 0, 0]})  # nothing trained
+    slices = loop.length_slices(examples, "sft", 3)
+    assert sorted(len(ex["input_ids"]) for piece, _ in slices for ex in piece) == sorted(
+        len(ex["input_ids"]) for ex in examples
+    )
+    lengths = [[len(ex["input_ids"]) for ex in piece] for piece, _ in slices]
+    assert all(a == sorted(a) for a in lengths) and lengths == sorted(lengths)
+    assert sum(w for _, w in slices) == pytest.approx(1.0)
+    padded = sum(max(row) * len(row) for row in lengths)
+    assert padded < max(map(max, lengths)) * len(examples)  # the point: less padding
+
+    def loss_and_grad(pieces: list[tuple[list[dict], float]]) -> tuple[float, torch.Tensor]:
+        model = tiny_model()
+        total = 0.0
+        for piece, weight in pieces:
+            batch = data.collate(piece, "sft")
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            value = masked_ce(logits.logits, batch["input_ids"], batch["loss_mask"]) * weight
+            value.backward()
+            total += value.item()
+        return total, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    whole_loss, whole_grad = loss_and_grad([(examples, 1.0)])
+    split_loss, split_grad = loss_and_grad(slices)
+    assert split_loss == pytest.approx(whole_loss, rel=1e-6)
+    assert torch.allclose(split_grad, whole_grad, atol=1e-6, rtol=1e-4)
+    # Weighting each slice equally instead would not give the same gradient.
+    _, equal_grad = loss_and_grad([(piece, 1 / len(slices)) for piece, _ in slices])
+    assert not torch.allclose(equal_grad, whole_grad, atol=1e-6, rtol=1e-4)
+    assert loop.length_slices(examples, "sft", 1) == [(examples, 1.0)]
+
+
+def test_training_in_length_slices_matches_one_pass_per_micro_batch(tmp_path: Path) -> None:
+    from flywheel.config import SftConfig
+
+    runs = {}
+    for split in (1, 3):
+        cfg = SftConfig(**CFG | {"epochs": 3, "micro_batch_size": 6, "length_split": split})
+        model = tiny_model()
+        runs[split] = (
+            loop.train(model, counting(18), loss="sft", cfg=cfg, out_dir=tmp_path / str(split)),
+            params(model),
+        )
+    (one, w1), (three, w3) = runs[1], runs[3]
+    assert one.steps == three.steps == 9
+    assert [r["tokens"] for r in one.history] == [r["tokens"] for r in three.history]
+    assert [r["loss"] for r in three.history] == pytest.approx(
+        [r["loss"] for r in one.history], rel=1e-4
+    )
+    assert not torch.allclose(w1, params(tiny_model()))  # it trained
+    assert torch.allclose(w3, w1, atol=1e-5)
+
+
+def test_length_split_is_for_the_sft_loss_only(tmp_path: Path) -> None:
+    from flywheel.config import SftConfig
+
+    pair = {"chosen_ids": [1, 2, 3], "chosen_mask": [0, 1, 1]}
+    pair |= {"rejected_ids": [1, 2, 4], "rejected_mask": [0, 1, 1]}
+    pair |= {"ref_chosen_logp": -1.0, "ref_rejected_logp": -1.0}
+    with pytest.raises(ValueError, match="length_split applies to the sft loss only, not dpo"):
+        loop.train(
+            tiny_model(), [pair] * 4, loss="dpo", cfg=SftConfig(**CFG | {"length_split": 2}),
+            out_dir=tmp_path, params=LossParams(beta=0.1),
+        )  # fmt: skip
+    assert not any(tmp_path.iterdir())

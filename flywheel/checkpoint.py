@@ -85,9 +85,11 @@ def write_checkpoint(
     return writer.commit(summary={**info, **(summary or {})}, extra={"policy": policy})
 
 
-def train_summary(result: Any) -> dict[str, Any]:
+def train_summary(result: Any, start_key: str | None = None) -> dict[str, Any]:
     """A training run's numbers for the checkpoint's summary: wall time, tokens trained (what
-    the compute-matched baseline sums), and with validation the step kept and why it stopped."""
+    the compute-matched baseline sums), and with validation the step kept and why it stopped.
+    With `start_key` (``stages._common.start_validation``), ``val_start`` records the validation
+    of the starting weights under that key, for later runs from the same weights."""
     out: dict[str, Any] = {
         "train_time_s": result.train_time_s,
         "train_tokens": result.tokens,
@@ -103,6 +105,10 @@ def train_summary(result: Any) -> dict[str, Any]:
         for key, value in (found[0] if found else {}).items():
             if key.startswith("val_") and key != "val_score":
                 out[key] = value
+    start = [h for h in result.history if h.get("step") == 0 and "val_score" in h]
+    if start_key is not None and start:
+        numbers = {k: v for k, v in start[0].items() if k.startswith("val_") and k != "val_score"}
+        out["val_start"] = {"key": start_key, "score": start[0]["val_score"], **numbers}
     return out
 
 

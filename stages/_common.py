@@ -3,6 +3,8 @@ episodes shard by shard so a crash keeps the finished shards."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -201,6 +203,30 @@ def validation_inputs(
     if ref is None:
         raise ValueError(f"validation by {section.val_metric} needs {what}")
     return [ref.id]
+
+
+def start_validation(
+    cfg: Any, section: Any, store: Store, policy: ArtifactRef, val_ids: list[str]
+) -> tuple[str | None, dict[str, float] | None]:
+    """What a training stage's validation before its first step measures, as a key (the
+    starting weights' ``weights_sha256``, the validation's settings and the artifacts it reads),
+    and the numbers a checkpoint in the store recorded under that key (``val_start`` in its
+    summary, ``flywheel.checkpoint.train_summary``), if any: the loop then takes them instead of
+    validating the same weights the same way again (the demo's DPO rounds, ``sft_more`` and
+    ``rft`` all start from the SFT policy). (None, None) without validation or a digest."""
+    digest = policy.summary.get("weights_sha256")
+    settings = validation_config(cfg, section)
+    if not digest or settings is None:
+        return None, None
+    if settings["metric"] == "loss":
+        settings = settings | {"max_length": section.max_length}
+    blob = json.dumps([digest, settings, val_ids], sort_keys=True, default=str)
+    key = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    for ref in store.list():
+        start = ref.summary.get("val_start") if ref.kind == "checkpoints" else None
+        if isinstance(start, dict) and start.get("key") == key:
+            return key, {k: float(v) for k, v in start.items() if k != "key"}
+    return key, None
 
 
 def validation(

@@ -46,7 +46,12 @@ from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
 from flywheel.training.loop import LossParams, compute_ref_logps
 from flywheel.trajectory import Trajectory
-from stages._common import validation, validation_config, validation_inputs
+from stages._common import (
+    start_validation,
+    validation,
+    validation_config,
+    validation_inputs,
+)
 
 REF_LOGPS = "ref_logps.parquet"
 REF_SCHEMA = pa.schema(
@@ -189,11 +194,15 @@ def run(
         f"dpo: round {round}, {len(examples)} pairs from {pairs.id}, beta {params.beta}, lr {tc.lr:g}, "
         f"{dc.reference} reference"
     )
+    start_key, known = start_validation(
+        cfg, dc, store, policy, validation_inputs(dc, val_tasks, val_demos)
+    )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="dpo", cfg=tc,
         seed=cfg.train_seed, params=params, out_dir=out, reference=dc.reference != "precomputed",
         log=log, log_every=cfg.run.log_every,
         validation=partial(validation, cfg, dc, store, tokenizer, val_tasks, val_demos),
+        start_validation=known,
     )  # fmt: skip
     write_train_log(out, result.history)
     summary = {
@@ -203,7 +212,7 @@ def run(
         "reward_accuracy": last_epoch_mean(result.history, "accuracy"),
         "chosen_reward": last_epoch_mean(result.history, "chosen_reward"),
         "rejected_reward": last_epoch_mean(result.history, "rejected_reward"),
-        **train_summary(result),
+        **train_summary(result, start_key),
     }
     summary["reward_margin"] = summary["chosen_reward"] - summary["rejected_reward"]
     return write_checkpoint(

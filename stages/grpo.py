@@ -62,7 +62,12 @@ from flywheel.training.launch import run_training
 from flywheel.training.loop import LossParams
 from flywheel.training.losses import anneal, efficiency_reward, group_advantages
 from flywheel.trajectory import Trajectory
-from stages._common import validation, validation_config, validation_inputs
+from stages._common import (
+    start_validation,
+    validation,
+    validation_config,
+    validation_inputs,
+)
 from stages.rft import select_successes
 
 BROKEN_FORMAT = ("invalid", "error")
@@ -302,11 +307,15 @@ def run(
             else ""
         )
     )
+    start_key, known = start_validation(
+        cfg, gc, store, policy, validation_inputs(gc, val_tasks, val_demos)
+    )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="grpo", cfg=gc,
         seed=cfg.train_seed, params=params, out_dir=out, reference=gc.kl_coef > 0, log=log,
         log_every=cfg.run.log_every,
         validation=partial(validation, cfg, gc, store, tokenizer, val_tasks, val_demos),
+        start_validation=known,
     )  # fmt: skip
     write_train_log(out, result.history)
     history = [h for h in result.history if "loss" in h]  # not the validation before step 1
@@ -318,7 +327,7 @@ def run(
         "mean_reward": float(frame["train_reward"].mean()),  # type: ignore[arg-type]
         "clip_fraction": sum(h["clip_fraction"] for h in history) / len(history),
         "first_ratio": history[0]["ratio"],
-        **train_summary(result),
+        **train_summary(result, start_key),
     }
     if gc.efficiency_reward:
         summary |= {"s_tool": s_tool, "s_len": s_len}

@@ -30,7 +30,12 @@ from flywheel.pareto import trajectory_ranks
 from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
-from stages._common import validation, validation_config, validation_inputs
+from stages._common import (
+    start_validation,
+    validation,
+    validation_config,
+    validation_inputs,
+)
 from stages.sft import encode_rows
 
 
@@ -113,10 +118,14 @@ def run(
         f"rft: {n_own} successful trajectories of {tasks} tasks"
         + (f" + {len(examples) - n_own} expert" if rc.with_expert else "")
     )
+    start_key, known = start_validation(
+        cfg, rc, store, policy, validation_inputs(rc, val_tasks, val_demos)
+    )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=rc,
         seed=cfg.baseline_seed(rc), out_dir=out, log=log, log_every=cfg.run.log_every,
         validation=partial(validation, cfg, rc, store, tokenizer, val_tasks, val_demos),
+        start_validation=known,
     )  # fmt: skip
     write_train_log(out, result.history)
     return write_checkpoint(
@@ -124,6 +133,6 @@ def run(
         base=policy.summary.get("base", ""), train_steps=result.steps,
         final_loss=result.final_loss,
         summary={"examples": len(examples), "own_successes": n_own, "tasks_solved": tasks,
-                 **train_summary(result)},
+                 **train_summary(result, start_key)},
         save_model=False, num_params=num_params,
     )  # fmt: skip

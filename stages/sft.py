@@ -34,7 +34,12 @@ from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
 from flywheel.trajectory import Trajectory
-from stages._common import validation, validation_config, validation_inputs
+from stages._common import (
+    start_validation,
+    validation,
+    validation_config,
+    validation_inputs,
+)
 
 # Read by the SFT steps of rounds >= 1 only.
 ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr", "round_patience", "replay"}
@@ -127,16 +132,20 @@ def run(
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     say(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
+    start_key, known = start_validation(
+        cfg, sc, store, policy, validation_inputs(sc, val_tasks, val_demos)
+    )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=sc,
         seed=cfg.train_seed, out_dir=out, log=log, log_every=cfg.run.log_every,
         validation=partial(validation, cfg, sc, store, tokenizer, val_tasks, val_demos),
+        start_validation=known,
     )  # fmt: skip
     write_train_log(out, result.history)
     return write_checkpoint(
         w, model, tokenizer, policy="sft", round=round, parent=policy.id,
         base=policy.summary.get("base", ""), train_steps=result.steps,
         final_loss=result.final_loss,
-        summary={"examples": len(examples), **train_summary(result)},
+        summary={"examples": len(examples), **train_summary(result, start_key)},
         save_model=False, num_params=num_params,
     )  # fmt: skip

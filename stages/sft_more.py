@@ -28,7 +28,12 @@ from flywheel.config import Config
 from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
-from stages._common import validation, validation_config, validation_inputs
+from stages._common import (
+    start_validation,
+    validation,
+    validation_config,
+    validation_inputs,
+)
 from stages.sft import examples_from
 
 
@@ -108,11 +113,15 @@ def run(
         f"sft_more: {len(examples)} expert trajectories, budget {target} {sc.match} "
         f"(the rounds' {', '.join(r.id for r in rounds)})"
     )
+    start_key, known = start_validation(
+        cfg, sc, store, policy, validation_inputs(sc, val_tasks, val_demos)
+    )
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=section,
         seed=cfg.baseline_seed(cfg.sft_more), out_dir=out, log=log, max_tokens=max_tokens,
         log_every=cfg.run.log_every,
         validation=partial(validation, cfg, sc, store, tokenizer, val_tasks, val_demos),
+        start_validation=known,
     )  # fmt: skip
     write_train_log(out, result.history)
     return write_checkpoint(
@@ -120,6 +129,6 @@ def run(
         base=policy.summary.get("base", ""), train_steps=result.steps,
         final_loss=result.final_loss,
         summary={"examples": len(examples), "budget": target, "match": sc.match,
-                 **train_summary(result)},
+                 **train_summary(result, start_key)},
         save_model=False, num_params=num_params,
     )  # fmt: skip

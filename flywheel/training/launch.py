@@ -83,6 +83,7 @@ def run_training(
     validation: ValidationFactory | None = None,
     max_tokens: int | None = None,
     log_every: int = 0,
+    start_validation: dict[str, float] | None = None,
 ) -> TrainResult:
     """`loop.train` on the ranks `cfg` asks for; the trained model is saved in `out_dir`.
 
@@ -97,13 +98,13 @@ def run_training(
         return train(
             model, examples, loss=loss, cfg=cfg, out_dir=out_dir, seed=seed, params=params,
             ref_model=ref_model, log=log, validate=validate, max_tokens=max_tokens,
-            log_every=log_every,
+            log_every=log_every, start_validation=start_validation,
         )  # fmt: skip
     folder = write_spec(
         Path(out_dir) / LAUNCH_DIR, examples, model_dir=model_dir, loss=loss, cfg=cfg,
         out_dir=out_dir, seed=seed, params=params or LossParams(), reference=reference,
         validation=validation if validate is not None else None, max_tokens=max_tokens,
-        log_every=log_every,
+        log_every=log_every, start_validation=start_validation,
     )  # fmt: skip
     # The ranks load their own copies: leave the accelerators to them.
     model.to("cpu")
@@ -180,6 +181,7 @@ def write_spec(
     validation: ValidationFactory | None,
     max_tokens: int | None,
     log_every: int,
+    start_validation: dict[str, float] | None = None,
 ) -> Path:
     """Write everything the ranks need into `folder` (made empty first); return it."""
     shutil.rmtree(folder, ignore_errors=True)
@@ -206,6 +208,7 @@ def write_spec(
         "validation": VALIDATION if validation is not None else None,
         "max_tokens": max_tokens,
         "log_every": log_every,
+        "start_validation": start_validation,
     }
     (folder / SPEC).write_text(json.dumps(spec, indent=1))
     return folder
@@ -294,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         model, examples, loss=spec["loss"], cfg=cfg, out_dir=spec["out_dir"], seed=spec["seed"],
         params=LossParams(**spec["params"]), ref_model=ref_model, validate=validate,
         max_tokens=spec["max_tokens"], log_every=spec["log_every"],
+        start_validation=spec.get("start_validation"),
     )  # fmt: skip
     if dist.get_rank() == 0:
         tmp = folder / (RESULT + ".tmp")

@@ -122,9 +122,13 @@ def train(
     validate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
     max_tokens: int | None = None,
     log_every: int = 0,
+    start_validation: dict[str, float] | None = None,
 ) -> TrainResult:
     """Train `model` in place on `examples` with the given loss; save it as an HF folder in `out_dir`
-    (the best validated weights when validating, else the last)."""
+    (the best validated weights when validating, else the last). `start_validation`: what
+    `validate` returns for the starting weights, when the caller already knows it (another run
+    validated the same weights the same way); the validation before the first step is then not
+    run again."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     params = params or LossParams()
@@ -173,11 +177,15 @@ def train(
     if step:
         bar.note(f"[train {loss}] resumed at step {step}/{total} from {state_dir}")
 
-    def check(at: int, record: dict[str, float]) -> None:
-        """Validate now; keep the weights when they beat the best by more than min_delta."""
+    def check(at: int, record: dict[str, float], known: dict[str, float] | None = None) -> None:
+        """Validate now (or take `known`, the numbers of these weights); keep the weights when
+        they beat the best by more than min_delta."""
         assert validate is not None
-        found = _validate(engine.module, validate) if rank == 0 else {}
-        if world > 1:
+        if known is not None:
+            found = dict(known)
+        else:
+            found = _validate(engine.module, validate) if rank == 0 else {}
+        if world > 1 and known is None:
             # Rank 0's numbers decide for every rank: a rank that stopped alone would hang the rest.
             box = [found]
             dist.broadcast_object_list(box, src=0)
@@ -192,12 +200,13 @@ def train(
         bar.note(
             f"[train {loss}] validate step {at}: {line} (best step {st.best_step}, "
             f"{st.bad}/{cfg.patience} without improvement)"
+            + (" (known: the same weights were validated the same way before)" if known else "")
         )
 
     try:
         if validating and st.best_score is None:
             first: dict[str, float] = {"step": 0}
-            check(0, first)
+            check(0, first, start_validation)
             st.validations.append(first)
 
         engine.train()

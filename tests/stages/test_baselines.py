@@ -186,3 +186,51 @@ def test_mix_takes_expert_rows_only_where_a_demonstration_exists():
     gc = GrpoConfig(expert_weight=0.5, expert_ratio=0.5)
     picked = grpo.unsolved_expert(explored, gold, n_policy=10, gc=gc, seed=0)
     assert picked["task_id"].to_list() == ["a"]  # b and c have no demonstration; v is val
+
+
+def test_a_validation_of_the_same_weights_is_not_run_again(boot, monkeypatch):
+    """Two sft_more runs from the SFT policy (other data orders): the second takes the numbers
+    of the SFT policy's validation from the first's manifest instead of validating it again;
+    validated another way (more val tasks), it validates."""
+    import stages._common
+
+    cfg, store, refs = boot
+    rounds = [fake_round("dpo-a", 900, 3)]
+    calls: list[int] = []
+    real = stages._common._val_success
+
+    def counted(*args, **kwargs):
+        validate = real(*args, **kwargs)
+
+        def wrapped(module):
+            calls.append(1)
+            return validate(module)
+
+        return wrapped
+
+    monkeypatch.setattr(stages._common, "_val_success", counted)
+
+    def train(seed, val_tasks=4):
+        knobs = {"match": "steps", "micro_batch_size": 2, "seed": seed, "val_every": 2}
+        c = cfg.model_copy(
+            update={
+                "sft_more": cfg.sft_more.model_copy(update=knobs | {"val_metric": "success"}),
+                "evaluate": cfg.evaluate.model_copy(update={"val_tasks": val_tasks}),
+            }
+        )
+        before = len(calls)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            ref = stages.sft_more.run(
+                c, store, refs["sft"], refs["expert"], rounds, round=1, val_tasks=refs["val"]
+            )
+        return ref, len(calls) - before, out.getvalue()
+
+    first, n_first, _ = train(21)
+    assert n_first == 3  # 3 steps: before the first, after step 2, after the last
+    start = first.summary["val_start"]
+    assert set(start) >= {"key", "score", "val_success"}
+    second, n_second, printed = train(22)
+    assert n_second == n_first - 1 and "validate step 0" in printed and "(known:" in printed
+    assert second.summary["val_start"] == start and second.id != first.id
+    _, n_other, _ = train(23, val_tasks=6)  # another validation: the step-0 one runs
+    assert n_other == n_first

@@ -698,3 +698,26 @@ def test_length_split_is_for_the_sft_loss_only(tmp_path: Path) -> None:
             out_dir=tmp_path, params=LossParams(beta=0.1),
         )  # fmt: skip
     assert not any(tmp_path.iterdir())
+
+
+def test_known_start_numbers_replace_the_validation_before_the_first_step(tmp_path: Path) -> None:
+    """start_validation: the numbers of the starting weights are taken, not measured; they
+    count as step 0's validation (here the best, so the start's weights are what is saved)."""
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "start")
+    seen: list[int] = []
+
+    def validate(module: torch.nn.Module) -> dict[str, float]:
+        seen.append(len(seen))
+        return {"score": 0.5, "val_success": 0.5}
+
+    cfg = CFG | {"epochs": 1, "val_every": 2, "patience": 5}
+    out = tmp_path / "out"
+    result = train(
+        model, counting(16), loss="sft", cfg=cfg, out_dir=out, validate=validate,
+        start_validation={"score": 0.9, "val_success": 0.9},
+    )  # fmt: skip
+    assert result.steps == 4 and len(seen) == 2  # after steps 2 and 4 only
+    assert result.history[0] == {"step": 0, "val_score": 0.9, "val_success": 0.9}
+    assert (result.best_step, result.best_score) == (0, 0.9)
+    assert weights_digest(out) == weights_digest(tmp_path / "start")

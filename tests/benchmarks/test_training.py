@@ -21,3 +21,27 @@ def test_demo_policy_follows_the_tiny_section():
     )
     _, tokenizer3, _ = demo_examples(cfg3)
     assert tokenizer3.tokenize("345") == ["345"]
+
+
+def test_length_split_rows_train_the_same_steps(capsys):
+    """--length-split: one row per value, on the same steps; the weights stay within float
+    rounding of the first value's and the slices pad less than whole micro-batches."""
+    import argparse
+
+    from benchmarks.training import compare_splits
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", ["expert.n_tasks=24"])
+    examples, _, model = demo_examples(cfg)
+    base = cfg.sft.model_copy(
+        update={"max_steps": 3, "val_every": 0, "micro_batch_size": 8, "length_split": 1}
+    )
+    args = argparse.Namespace(
+        bucket_batches=[1], steps=3, seed=0, repeats=1, threads=1, length_split=[1, 2]
+    )
+    compare_splits(model, examples, base, args)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    table = {row[0]: row for row in rows if row and row[0] in ("1", "2")}
+    assert set(table) == {"1", "2"}
+    padding = {k: float(row[3].rstrip("%")) for k, row in table.items()}
+    assert padding["2"] < padding["1"]
+    assert float(table["1"][-1]) == 0.0 and float(table["2"][-1]) < 1e-5  # max |dw|

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -411,27 +412,30 @@ def _train_step(
 def length_slices(
     examples: list[data.Example], kind: data.Kind, split: int
 ) -> list[tuple[list[data.Example], float]]:
-    """One micro-batch as up to `split` slices of similar length, each with the weight that makes
-    the weighted sum of the slices' losses the micro-batch's loss.
+    """One micro-batch as `split` slices of similar length, each with the weight that makes the
+    weighted sum of the slices' losses the micro-batch's loss.
 
     The masked CE is a mean over the trained tokens, so a slice's weight is its share of them: the
     gradient equals the whole micro-batch's (to float rounding), while each slice is padded only
-    to its own longest sequence. A slice without trained tokens adds nothing and is left out.
-    Only the sft loss splits this way (DPO's is a mean over pairs plus a token mean, GRPO's has
-    its own normalisers); `split` 1 is the micro-batch as it is.
+    to its own longest sequence. There are always `split` slices, so the ranks of a multi-rank run
+    take as many backward passes a step (ZeRO-2 reduces the gradients in each one): where a
+    micro-batch holds fewer examples than that (an epoch's last), a slice repeats its longest
+    example at weight 0. Only the sft loss splits this way (DPO's is a mean over pairs plus a
+    token mean, GRPO's has its own normalisers); `split` 1 is the micro-batch as it is.
     """
-    if split <= 1 or len(examples) < 2:
+    if split <= 1:
         return [(examples, 1.0)]
     if kind != "sft":
         raise ValueError(f"length_split applies to the sft loss only, not {kind}")
     ordered = sorted(examples, key=lambda ex: data.example_length(ex, kind))
-    n = min(split, len(ordered))
-    slices = [ordered[k * len(ordered) // n : (k + 1) * len(ordered) // n] for k in range(n)]
+    cuts = [k * len(ordered) // split for k in range(split + 1)]
+    slices = [ordered[a:b] for a, b in itertools.pairwise(cuts)]
     trained = [sum(sum(ex["loss_mask"][1:]) for ex in piece) for piece in slices]
     total = sum(trained)
-    if total == 0:
-        return [(examples, 1.0)]
-    return [(piece, t / total) for piece, t in zip(slices, trained, strict=True) if t > 0]
+    return [
+        (piece or ordered[-1:], t / total if total else 0.0)
+        for piece, t in zip(slices, trained, strict=True)
+    ]
 
 
 def _batch_loss(

@@ -421,6 +421,42 @@ def test_two_ranks_with_deepspeed_launcher(tmp_path: Path) -> None:
     print(f"2-rank launcher run: {time.perf_counter() - start:.1f} s")
 
 
+SPLIT_TWO_RANK_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_loop import tiny_model, counting, params
+from flywheel.config import SftConfig
+from flywheel.training.loop import train
+model = tiny_model()
+cfg = SftConfig(epochs=2, lr=1e-2, warmup_ratio=0.0, micro_batch_size=3, grad_accum=2, max_length=32, zero_stage=2, length_split=3)
+result = train(model, counting(7), loss="sft", cfg=cfg, out_dir={out!r})
+rank = torch.distributed.get_rank()
+torch.save({{"params": params(model), "steps": result.steps}}, {out!r} + f"/rank{{rank}}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_with_length_split_take_as_many_passes(tmp_path: Path) -> None:
+    """7 examples in micro-batches of 3: an epoch's last holds one example, which one rank runs
+    while the other runs three. With length_split 3 both still run three backward passes that
+    step (ZeRO-2 reduces in each; unequal counts would hang), and end with equal weights."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "split_ranks.py"
+    script.write_text(SPLIT_TWO_RANK_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out)))
+    launcher = Path(sys.executable).parent / "deepspeed"
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [str(launcher), "--num_accelerators", "2", "--master_port", str(loop._free_port()), str(script)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 4  # 3 batches padded to 4: 2 steps an epoch
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    assert not torch.allclose(ranks[0]["params"], params(tiny_model()))
+
+
 def test_early_stopping_keeps_the_best_validated_weights(tmp_path: Path) -> None:
     # A hand-made validation curve at steps 0, 2, 4, ...: best at step 4, then three validations
     # without improvement (steps 6, 8, 10) use up patience 3, so training stops after step 10.
@@ -640,7 +676,7 @@ def test_length_slices_give_the_micro_batch_loss_and_gradient() -> None:
     )
     lengths = [[len(ex["input_ids"]) for ex in piece] for piece, _ in slices]
     assert all(a == sorted(a) for a in lengths) and lengths == sorted(lengths)
-    assert sum(w for _, w in slices) == pytest.approx(1.0)
+    assert len(slices) == 3 and sum(w for _, w in slices) == pytest.approx(1.0)
     padded = sum(max(row) * len(row) for row in lengths)
     assert padded < max(map(max, lengths)) * len(examples)  # the point: less padding
 
@@ -663,6 +699,11 @@ def test_length_slices_give_the_micro_batch_loss_and_gradient() -> None:
     _, equal_grad = loss_and_grad([(piece, 1 / len(slices)) for piece, _ in slices])
     assert not torch.allclose(equal_grad, whole_grad, atol=1e-6, rtol=1e-4)
     assert loop.length_slices(examples, "sft", 1) == [(examples, 1.0)]
+    # Fewer examples than slices (an epoch's last micro-batch): still 3 passes, the extra ones
+    # at weight 0, so every rank runs as many backward passes a step.
+    short = loop.length_slices(examples[:1], "sft", 3)
+    assert [len(piece) for piece, _ in short] == [1, 1, 1]
+    assert [w for _, w in short] == [0.0, 0.0, 1.0]
 
 
 def test_training_in_length_slices_matches_one_pass_per_micro_batch(tmp_path: Path) -> None:

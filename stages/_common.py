@@ -222,7 +222,8 @@ def start_validation(
         settings = settings | {"max_length": section.max_length}
     blob = json.dumps([digest, settings, val_ids], sort_keys=True, default=str)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
-    for ref in store.list():
+    refs, _ = store.scan()  # a damaged artifact elsewhere in the store must not stop training
+    for ref in refs:
         start = ref.summary.get("val_start") if ref.kind == "checkpoints" else None
         if isinstance(start, dict) and start.get("key") == key:
             return key, {k: float(v) for k, v in start.items() if k != "key"}

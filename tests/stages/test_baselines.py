@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -229,6 +230,10 @@ def test_a_validation_of_the_same_weights_is_not_run_again(boot, monkeypatch):
     assert n_first == 3  # 3 steps: before the first, after step 2, after the last
     start = first.summary["val_start"]
     assert set(start) >= {"key", "score", "val_success"}
+    # A damaged artifact elsewhere in the store does not stop the search (nor the training).
+    broken = Path(refs["sft"].path).parents[1] / "dpo" / "dpo-000000000000"
+    broken.mkdir(parents=True)
+    (broken / "manifest.json").write_text("{not json")
     second, n_second, printed = train(22)
     assert n_second == n_first - 1 and "validate step 0" in printed and "(known:" in printed
     assert second.summary["val_start"] == start and second.id != first.id

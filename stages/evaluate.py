@@ -168,7 +168,8 @@ def evaluated_twin(
     if not digest:
         return None
     want = json.loads(json.dumps(artifact_config(cfg, policy)))
-    for ref in store.list(stage="evaluate"):
+    refs, _ = store.scan(stage="evaluate")  # a damaged evaluation elsewhere is not a twin
+    for ref in refs:
         if ref.inputs[0] == policy.id or ref.inputs[1:] != [tasks.id]:
             continue
         config = ref.manifest.get("config", {})

@@ -5,6 +5,7 @@ real stages: same config = cache hit, ``force`` = new version, a changed input =
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import polars as pl
@@ -315,6 +316,11 @@ def test_a_policy_with_evaluated_weights_reuses_that_evaluation(chain, monkeypat
     assert stages.evaluate.evaluated_twin(cfg, store, twin, refs["val"]) is None
     assert stages.evaluate.evaluated_twin(cfg, store, refs["init"], test) is None
     assert stages.evaluate.evaluated_twin(cfg, store, twin, test).id == refs["eval_sft"].id
+    broken = Path(refs["eval_sft"].path).parent / "evaluate-000000000000"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{not json")  # a damaged evaluation is skipped
+    assert stages.evaluate.evaluated_twin(cfg, store, twin, test).id == refs["eval_sft"].id
+    shutil.rmtree(broken)
 
     def no_episodes(*args, **kwargs):
         raise AssertionError("an evaluation that could be reused played its episodes")

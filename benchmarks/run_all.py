@@ -31,8 +31,9 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
         ["--engines"],
     ),
     "training": (
-        ["--steps", "10", "--bucket-batches", "1", "4", "16", "--repeats", "2"],
-        ["--repeats", "3", "--profile", "10"],
+        ["--steps", "10", "--bucket-batches", "1", "4", "16", "--repeats", "2"]
+        + ["--length-split", "1", "2"],
+        ["--repeats", "3", "--profile", "10", "--length-split", "1", "2", "3", "4"],
     ),
 }
 

@@ -27,10 +27,12 @@ bare loop, with padding < 10%. Both loops do the same math, so their final losse
 the timed runs and printed. ``--profile N`` then runs N steps of each under cProfile and lists the
 functions the loop calls more often than the bare loop. The machine may be shared: ``--repeats R``
 runs each variant R times (alternating which goes first) and keeps each step's fastest time; read
-the ratios, not the absolute numbers.
+the ratios, not the absolute numbers. ``--length-split 1 2 ...`` then runs the loop at each
+``sft.length_split`` value on the same steps (ratios to the first value, the slices' padding, and
+how far the weights move from the first value's).
 
     nice -n 10 .venv/bin/python -m benchmarks.training --repeats 3 --profile 10  # full: 40 steps
-    nice -n 10 .venv/bin/python -m benchmarks.training --steps 10 --bucket-batches 1 4 16 --repeats 2
+    nice -n 10 .venv/bin/python -m benchmarks.training --steps 10 --bucket-batches 1 4 16 --repeats 2 --length-split 1 2
     nice -n 10 .venv/bin/python -m benchmarks.training --steps 2 --bucket-batches 1 --profile 10
 """
 

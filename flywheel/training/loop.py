@@ -384,7 +384,9 @@ def _train_step(
     """Forward/backward every micro-batch of one optimizer step (each in `length_split` slices,
     see `length_slices`), then step; return the step's numbers."""
     totals: dict[str, float] = {}
-    tokens = 0
+    # Tokens trained: every real token of the step's sequences (their attention masks), counted
+    # from the examples so that a pass repeated at weight 0 (length_slices) adds none.
+    tokens = sum(len(ex[seq]) for mb in micro_batches for ex in mb for seq in data.SEQUENCES[kind])
     passes = [
         (piece, weight / len(micro_batches))
         for examples in micro_batches
@@ -400,7 +402,6 @@ def _train_step(
         engine.step()
         for name, v in {"loss": value.detach(), **stats}.items():
             totals[name] = totals.get(name, 0.0) + float(v) * weight
-        tokens += int(sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask")))
     if dist.get_world_size() > 1:
         # Report the mean loss and total tokens over ranks; other stats stay those of this rank.
         summed = torch.tensor([totals["loss"], float(tokens)], dtype=torch.float64)

@@ -714,17 +714,22 @@ def test_training_in_length_slices_matches_one_pass_per_micro_batch(tmp_path: Pa
         cfg = SftConfig(**CFG | {"epochs": 3, "micro_batch_size": 6, "length_split": split})
         model = tiny_model()
         runs[split] = (
-            loop.train(model, counting(18), loss="sft", cfg=cfg, out_dir=tmp_path / str(split)),
+            loop.train(model, counting(20), loss="sft", cfg=cfg, out_dir=tmp_path / str(split)),
             params(model),
         )
     (one, w1), (three, w3) = runs[1], runs[3]
-    assert one.steps == three.steps == 9
+    # 20 examples in micro-batches of 6: each epoch's last holds 2, run as 3 passes (one of them
+    # a repeat at weight 0, which trains nothing and counts no token).
+    assert one.steps == three.steps == 12
     assert [r["tokens"] for r in one.history] == [r["tokens"] for r in three.history]
     assert [r["loss"] for r in three.history] == pytest.approx(
         [r["loss"] for r in one.history], rel=1e-4
     )
     assert not torch.allclose(w1, params(tiny_model()))  # it trained
-    assert torch.allclose(w3, w1, atol=1e-5)
+    # Rounding only: Adam turns rounding-level gradient differences into lr-sized steps where a
+    # gradient is near 0, so at lr 1e-2 the weights drift about 1e-5 every few steps (6e-5 here
+    # after 12); slices weighted equally instead of by trained tokens move them by 1e-2.
+    assert torch.allclose(w3, w1, atol=2e-4)
 
 
 def test_length_split_is_for_the_sft_loss_only(tmp_path: Path) -> None:

@@ -388,51 +388,48 @@ TWO_RANK_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from test_loop import tiny_model, counting, params
-from flywheel.config import TrainSection
+from flywheel.config import SftConfig, TrainSection
 from flywheel.training.loop import train
 model = tiny_model()
-cfg = TrainSection(epochs=2, lr=1e-2, warmup_ratio=0.0, micro_batch_size=2, grad_accum=2, max_length=32, zero_stage=2)
-result = train(model, counting(9), loss="sft", cfg=cfg, out_dir={out!r})
+cfg = {section}
+result = train(model, counting({n}), loss="sft", cfg=cfg, out_dir={out!r})
 rank = torch.distributed.get_rank()
 torch.save({{"params": params(model), "steps": result.steps}}, {out!r} + f"/rank{{rank}}.pt")
 """
+
+
+def two_rank_run(tmp_path: Path, section: str, n: int, timeout: int) -> list[dict]:
+    """Train counting(n) with the training section `section` (Python source) on 2 CPU ranks
+    under the deepspeed launcher; each rank's final params and step count."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "two_ranks.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(TWO_RANK_SCRIPT.format(tests=tests, out=str(out), section=section, n=n))
+    launcher = Path(sys.executable).parent / "deepspeed"
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [str(launcher), "--num_accelerators", "2", "--master_port", str(loop._free_port()), str(script)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
 
 
 @pytest.mark.slow
 def test_two_ranks_with_deepspeed_launcher(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    script = tmp_path / "two_ranks.py"
-    script.write_text(TWO_RANK_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out)))
-    launcher = Path(sys.executable).parent / "deepspeed"
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
-    run = subprocess.run(
-        [str(launcher), "--num_accelerators", "2", "--master_port", str(loop._free_port()), str(script)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    section = (
+        "TrainSection(epochs=2, lr=1e-2, warmup_ratio=0.0, micro_batch_size=2, grad_accum=2, "
+        "max_length=32, zero_stage=2)"
+    )
+    ranks = two_rank_run(tmp_path, section, n=9, timeout=300)
     # 9 examples -> 5 batches, padded to 6 by wrapping; 3 per rank per epoch; grad_accum 2 is one
     # per rank per step: 3 steps per epoch, 2 epochs.
     assert ranks[0]["steps"] == ranks[1]["steps"] == 6
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
-    assert torch.allclose(ranks[0]["params"], saved_params(out))
+    assert torch.allclose(ranks[0]["params"], saved_params(tmp_path / "out"))
     print(f"2-rank launcher run: {time.perf_counter() - start:.1f} s")
-
-
-SPLIT_TWO_RANK_SCRIPT = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from test_loop import tiny_model, counting, params
-from flywheel.config import SftConfig
-from flywheel.training.loop import train
-model = tiny_model()
-cfg = SftConfig(epochs=2, lr=1e-2, warmup_ratio=0.0, micro_batch_size=3, grad_accum=2, max_length=32, zero_stage=2, length_split=3)
-result = train(model, counting(7), loss="sft", cfg=cfg, out_dir={out!r})
-rank = torch.distributed.get_rank()
-torch.save({{"params": params(model), "steps": result.steps}}, {out!r} + f"/rank{{rank}}.pt")
-"""
 
 
 @pytest.mark.slow
@@ -440,18 +437,11 @@ def test_two_ranks_with_length_split_take_as_many_passes(tmp_path: Path) -> None
     """7 examples in micro-batches of 3: an epoch's last holds one example, which one rank runs
     while the other runs three. With length_split 3 both still run three backward passes that
     step (ZeRO-2 reduces in each; unequal counts would hang), and end with equal weights."""
-    out = tmp_path / "out"
-    out.mkdir()
-    script = tmp_path / "split_ranks.py"
-    script.write_text(SPLIT_TWO_RANK_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out)))
-    launcher = Path(sys.executable).parent / "deepspeed"
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [str(launcher), "--num_accelerators", "2", "--master_port", str(loop._free_port()), str(script)],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    section = (
+        "SftConfig(epochs=2, lr=1e-2, warmup_ratio=0.0, micro_batch_size=3, grad_accum=2, "
+        "max_length=32, zero_stage=2, length_split=3)"
+    )
+    ranks = two_rank_run(tmp_path, section, n=7, timeout=120)
     assert ranks[0]["steps"] == ranks[1]["steps"] == 4  # 3 batches padded to 4: 2 steps an epoch
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
     assert not torch.allclose(ranks[0]["params"], params(tiny_model()))

@@ -206,7 +206,12 @@ def validation_inputs(
 
 
 def start_validation(
-    cfg: Any, section: Any, store: Store, policy: ArtifactRef, val_ids: list[str]
+    cfg: Any,
+    section: Any,
+    store: Store,
+    policy: ArtifactRef,
+    val_tasks: ArtifactRef | None,
+    val_demos: ArtifactRef | None,
 ) -> tuple[str | None, dict[str, float] | None]:
     """What a training stage's validation before its first step measures, as a key (the
     starting weights' ``weights_sha256``, the validation's settings and the artifacts it reads),
@@ -220,6 +225,7 @@ def start_validation(
         return None, None
     if settings["metric"] == "loss":
         settings = settings | {"max_length": section.max_length}
+    val_ids = validation_inputs(section, val_tasks, val_demos)
     blob = json.dumps([digest, settings, val_ids], sort_keys=True, default=str)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
     refs, _ = store.scan()  # a damaged artifact elsewhere in the store must not stop training

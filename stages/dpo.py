@@ -194,9 +194,7 @@ def run(
         f"dpo: round {round}, {len(examples)} pairs from {pairs.id}, beta {params.beta}, lr {tc.lr:g}, "
         f"{dc.reference} reference"
     )
-    start_key, known = start_validation(
-        cfg, dc, store, policy, validation_inputs(dc, val_tasks, val_demos)
-    )
+    start_key, known = start_validation(cfg, dc, store, policy, val_tasks, val_demos)
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="dpo", cfg=tc,
         seed=cfg.train_seed, params=params, out_dir=out, reference=dc.reference != "precomputed",

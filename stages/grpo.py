@@ -307,9 +307,7 @@ def run(
             else ""
         )
     )
-    start_key, known = start_validation(
-        cfg, gc, store, policy, validation_inputs(gc, val_tasks, val_demos)
-    )
+    start_key, known = start_validation(cfg, gc, store, policy, val_tasks, val_demos)
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="grpo", cfg=gc,
         seed=cfg.train_seed, params=params, out_dir=out, reference=gc.kl_coef > 0, log=log,

@@ -118,9 +118,7 @@ def run(
         f"rft: {n_own} successful trajectories of {tasks} tasks"
         + (f" + {len(examples) - n_own} expert" if rc.with_expert else "")
     )
-    start_key, known = start_validation(
-        cfg, rc, store, policy, validation_inputs(rc, val_tasks, val_demos)
-    )
+    start_key, known = start_validation(cfg, rc, store, policy, val_tasks, val_demos)
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=rc,
         seed=cfg.baseline_seed(rc), out_dir=out, log=log, log_every=cfg.run.log_every,

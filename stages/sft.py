@@ -132,9 +132,7 @@ def run(
     out = w.local_dir()
     num_params = sum(p.numel() for p in model.parameters())
     say(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
-    start_key, known = start_validation(
-        cfg, sc, store, policy, validation_inputs(sc, val_tasks, val_demos)
-    )
+    start_key, known = start_validation(cfg, sc, store, policy, val_tasks, val_demos)
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=sc,
         seed=cfg.train_seed, out_dir=out, log=log, log_every=cfg.run.log_every,

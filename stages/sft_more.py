@@ -113,9 +113,7 @@ def run(
         f"sft_more: {len(examples)} expert trajectories, budget {target} {sc.match} "
         f"(the rounds' {', '.join(r.id for r in rounds)})"
     )
-    start_key, known = start_validation(
-        cfg, sc, store, policy, validation_inputs(sc, val_tasks, val_demos)
-    )
+    start_key, known = start_validation(cfg, sc, store, policy, val_tasks, val_demos)
     result = run_training(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=section,
         seed=cfg.baseline_seed(cfg.sft_more), out_dir=out, log=log, max_tokens=max_tokens,

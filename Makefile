@@ -75,13 +75,20 @@ screenshots: install-dev browser
 demo: install
 	$(VENV)/bin/flywheel run --config $(CONFIG)
 
-# --durations: CI's log names the 20 slowest tests, the first place to look when the suite
-# grows past its time (23-27 minutes with install on the slowest 2-core box measured).
+# The suite runs in TEST_WORKERS processes (pytest-xdist; 0 runs it in this process). Each
+# worker has its own Prefect home, temporary store and session fixtures (tests/conftest.py);
+# --dist loadfile keeps a file's tests on one worker, so a module's fixtures are built once.
+# Many tests wait on servers and subprocesses: on a 2-core AMD EPYC the suite took 776 s in
+# one process, 498 s in 2 workers and 502 s in 3 (README, "Where the time goes").
+# --durations: CI's log names the 20 slowest tests, the first place to look when it grows.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+
 test: install-dev browser vllm-env
-	$(PY) -m pytest --durations=20
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=20
 
 test-fast: install-dev
-	$(PY) -m pytest -m "not slow and not integration"
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow and not integration"
 
 # The long kill sweep (KILLS_PER_STAGE kills of each long stage, default 10): prints kills
 # tried / survived per stage and in all. `make test` runs the small sweep only.

@@ -51,6 +51,22 @@ def pytest_unconfigure(config) -> None:
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)  # Prefect's database of this session
 
 
+# How heavy a test's file is, by its heaviest marker: `make test` spreads files over worker
+# processes in collection order, so a minute-long test collected last runs alone at the end.
+_FILE_WEIGHT = {"vllm": 3, "integration": 2, "slow": 1}
+
+
+@pytest.hookimpl(trylast=True)  # after tests/browser/conftest.py marks its tests
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files with the heaviest tests first. The sort is stable and by file, so files of one
+    weight keep their order and a file's tests stay together, in their order."""
+    weight: dict[Path, int] = {}
+    for item in items:
+        marked = [w for name, w in _FILE_WEIGHT.items() if item.get_closest_marker(name)]
+        weight[item.path] = max(weight.get(item.path, 0), *marked, 0)
+    items.sort(key=lambda item: -weight[item.path])
+
+
 def tiny_overrides(root: Path, *extra: str) -> list[str]:
     """Overrides for a run that takes seconds: 24 train / 8 val / 8 test arith tasks, a 1-layer policy,
     3 SFT steps, K=2 and shards of 8 episodes, both baselines; store and MLflow database under

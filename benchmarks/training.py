@@ -29,11 +29,15 @@ functions the loop calls more often than the bare loop. The machine may be share
 runs each variant R times (alternating which goes first) and keeps each step's fastest time; read
 the ratios, not the absolute numbers. ``--length-split 1 2 ...`` then runs the loop at each
 ``sft.length_split`` value on the same steps (ratios to the first value, the slices' padding, and
-how far the weights move from the first value's).
+how far the weights move from the first value's). ``--cpu-bf16`` runs the loop with ``cpu_bf16``
+off and on (bf16 autocast of the forward passes; a CPU with ``avx512_bf16`` or ``amx_bf16``) on
+the same steps. ``--set KEY=VALUE ...`` overrides the config (a wider policy, say).
 
     nice -n 10 .venv/bin/python -m benchmarks.training --repeats 3 --profile 10  # full: 40 steps
     nice -n 10 .venv/bin/python -m benchmarks.training --steps 10 --bucket-batches 1 4 16 --repeats 2 --length-split 1 2
     nice -n 10 .venv/bin/python -m benchmarks.training --steps 2 --bucket-batches 1 --profile 10
+    nice -n 10 .venv/bin/python -m benchmarks.training --steps 10 --bucket-batches 1 --cpu-bf16 \
+        --threads 2 --set model.tiny.hidden_size=256 model.tiny.intermediate_size=768
 """
 
 from __future__ import annotations
@@ -361,6 +365,49 @@ def compare_splits(
         )
 
 
+def compare_precision(
+    initial: torch.nn.Module,
+    examples: list[data.Example],
+    base: SftConfig,
+    args: argparse.Namespace,
+) -> None:
+    """The loop with ``cpu_bf16`` off and on, on the same steps (the first bucket value): speed
+    against float32, and how far bf16 autocast moves the trained weights (against how far
+    training moved them)."""
+    bucket = args.bucket_batches[0]
+    runs: dict[bool, list[Run]] = {False: [], True: []}
+    weights: dict[bool, torch.Tensor] = {}
+    start = torch.cat([p.detach().flatten() for p in initial.parameters()])
+    for i in range(args.repeats):
+        for on in (False, True) if i % 2 == 0 else (True, False):
+            sc = base.model_copy(update={"bucket_batches": bucket, "cpu_bf16": on})
+            model = copy.deepcopy(initial)
+            torch.set_num_threads(args.threads)
+            runs[on].append(run_loop(model, examples, sc, args.seed))
+            weights[on] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ref = best_run(runs[False])
+    ref_speed = ref.steady()[1] / ref.steady()[0]
+    moved = float((weights[False] - start).norm())
+    print(
+        f"\ncpu_bf16, the loop at bucket_batches {bucket} on the same {args.steps} steps "
+        "(forward passes under bf16 autocast; ratios against float32):"
+    )
+    print(
+        f"{'cpu_bf16':>8} {'steady s':>8} {'tokens/s':>9} {'vs off':>7} {'cpu vs':>7} "
+        f"{'final loss':>11} {'max |dw|':>9} {'|dw|/moved':>10}"
+    )
+    for on in (False, True):
+        run = best_run(runs[on])
+        seconds, tokens = run.steady()
+        dw = weights[on] - weights[False]
+        print(
+            f"{str(on).lower():>8} {seconds:>8.2f} {tokens / seconds:>9.0f} "
+            f"{tokens / seconds / ref_speed:>6.2f}x {ref.steady_cpu() / run.steady_cpu():>6.2f}x "
+            f"{run.losses[-1]:>11.6f} {float(dw.abs().max()):>9.1e} "
+            f"{float(dw.norm()) / moved:>10.3f}"
+        )
+
+
 def profile(
     initial: torch.nn.Module,
     examples: list[data.Example],
@@ -451,13 +498,25 @@ def main() -> None:
         default=[],
         help="also run the loop at these sft.length_split values (e.g. 1 2 4), ratios to the first",
     )
+    parser.add_argument(
+        "--cpu-bf16",
+        action="store_true",
+        help="also run the loop with sft.cpu_bf16 off and on (needs avx512_bf16 or amx_bf16)",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides, e.g. model.tiny.hidden_size=256 model.tiny.intermediate_size=768",
+    )
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many steps of each")
     parser.add_argument("--profile-top", type=int, default=20, help="profile rows printed")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (tokens/s is taken over steps 2..N)")
     torch.set_num_threads(args.threads)
-    cfg = load_config(ROOT / "configs" / "default.yaml")
+    cfg = load_config(ROOT / "configs" / "default.yaml", args.set)
     update: dict[str, Any] = {"max_steps": args.steps, "val_every": 0, "checkpoint_every": 0}
     if args.micro_batch is not None:
         update["micro_batch_size"] = args.micro_batch
@@ -493,6 +552,8 @@ def main() -> None:
     )
     if args.length_split:
         compare_splits(initial, examples, base, args)
+    if args.cpu_bf16:
+        compare_precision(initial, examples, base, args)
     if args.profile:
         profile(initial, examples, base, args)
 

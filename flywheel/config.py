@@ -319,6 +319,10 @@ class TrainSection(Section):
     bf16: bool = Field(
         default=True, description="bf16 weights and compute on an accelerator (always off on CPU)."
     )
+    cpu_bf16: bool = Field(
+        default=False,
+        description="On a CPU: each training forward pass under bf16 autocast (weights, gradients and optimizer stay float32; validation and generation stay float32). Needs a CPU with avx512_bf16 or amx_bf16 (refused elsewhere: emulated bf16 is slower than float32). Other rounding than float32, so part of artifact ids; docs/training.md has its speed.",
+    )
     deepspeed_config: str | None = Field(
         default=None,
         description='A DeepSpeed JSON template; its "auto" values are filled from this section. A relative path is read from the current folder, else from the checkout (configs/deepspeed/zero2.json and zero3.json).',
@@ -373,10 +377,19 @@ class TrainSection(Section):
             )
         return self
 
+    def result_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
+        """The fields that decide the trained weights: all but ``SPEED_ONLY_TRAIN_FIELDS``.
+        ``cpu_bf16`` is in it only when on, so the ids and train states of runs from before it
+        existed stay the same."""
+        dump = self.model_dump(exclude={*SPEED_ONLY_TRAIN_FIELDS, *(exclude or set())})
+        if dump.get("cpu_bf16") is False:
+            del dump["cpu_bf16"]
+        return dump
+
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
-        """The fields artifact ids hash: all but ``SPEED_ONLY_TRAIN_FIELDS``."""
+        """The fields artifact ids hash: ``result_dump``'s."""
         exclude = exclude or set()
-        dump = self.model_dump(exclude={*SPEED_ONLY_TRAIN_FIELDS, *exclude})
+        dump = self.result_dump(exclude)
         if "checkpoint_every" not in exclude:
             # Hashed as its old default, so the ids of runs from before the cadence stopped
             # counting stay the same (and a run that saves more often is still a cache hit).

@@ -63,8 +63,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from flywheel.config import SPEED_ONLY_TRAIN_FIELDS, TrainSection
+from flywheel.config import TrainSection
 from flywheel.progress import Progress
+from flywheel.store import host_info
 from flywheel.training import data, losses
 from flywheel.training.prebuild import ensure_extensions_dir
 
@@ -158,6 +159,7 @@ def train(
 
     torch.manual_seed(seed)
     on_cpu = get_accelerator().device_name() == "cpu"
+    autocast = cpu_autocast(cfg, on_cpu)
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, cfg))
     engine, _, _, _ = deepspeed.initialize(
@@ -238,7 +240,7 @@ def train(
             group = local[batch_index : batch_index + accum]
             lr = scheduler.get_last_lr()[0]
             micro_batches = [[examples[i] for i in b] for b in group]
-            record = _train_step(engine, micro_batches, loss, params, ref_model, split)
+            record = _train_step(engine, micro_batches, loss, params, ref_model, split, autocast)
             step += 1
             st.tokens += int(record["tokens"])
             record.update(step=step, epoch=epoch, lr=lr)
@@ -380,9 +382,11 @@ def _train_step(
     params: LossParams,
     ref_model: Any,
     length_split: int = 1,
+    autocast: bool = False,
 ) -> dict:
     """Forward/backward every micro-batch of one optimizer step (each in `length_split` slices,
-    see `length_slices`), then step; return the step's numbers."""
+    see `length_slices`; the forward passes under CPU bf16 autocast when `autocast`), then step;
+    return the step's numbers."""
     totals: dict[str, float] = {}
     # Tokens trained: every real token of the step's sequences (their attention masks), counted
     # from the examples so that a pass repeated at weight 0 (length_slices) adds none.
@@ -397,7 +401,9 @@ def _train_step(
         # set by hand and the loss scaled by the real count, not by DeepSpeed's fixed one.
         engine.set_gradient_accumulation_boundary(i == len(passes) - 1)
         batch = {k: v.to(engine.device) for k, v in data.collate(examples, kind).items()}
-        value, stats = _batch_loss(engine, batch, kind, params, ref_model)
+        # The losses take float32 log-probs of the logits (losses.token_logprobs) either way.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            value, stats = _batch_loss(engine, batch, kind, params, ref_model)
         engine.backward(value * weight, scale_wrt_gas=False)
         engine.step()
         for name, v in {"loss": value.detach(), **stats}.items():
@@ -408,6 +414,21 @@ def _train_step(
         dist.all_reduce(summed)
         totals["loss"], tokens = summed[0].item() / dist.get_world_size(), int(summed[1].item())
     return totals | {"tokens": tokens}
+
+
+def cpu_autocast(cfg: TrainSection, on_cpu: bool) -> bool:
+    """Whether training forward passes run under bf16 autocast: `cpu_bf16` on a CPU run. Refused
+    on a CPU without bf16 instructions, where torch emulates bf16 and it is slower than float32;
+    on an accelerator `bf16` decides instead."""
+    if not (cfg.cpu_bf16 and on_cpu):
+        return False
+    host = host_info()
+    if not {"avx512_bf16", "amx_bf16"} & set(host["cpu_flags"]):
+        raise ValueError(
+            f"cpu_bf16: this CPU ({host['cpu'] or 'unknown'}) has neither avx512_bf16 nor "
+            "amx_bf16, so bf16 would be emulated and slower than float32; set cpu_bf16: false"
+        )
+    return True
 
 
 def length_slices(
@@ -755,7 +776,7 @@ def _fingerprint(
     max_tokens: int | None,
 ) -> str:
     # Everything that changes which parameters a step produces; not the checkpoint cadence.
-    knobs = cfg.model_dump(exclude=set(SPEED_ONLY_TRAIN_FIELDS))
+    knobs = cfg.result_dump()
     blob = json.dumps(
         [knobs, seed, dataclasses.asdict(params), kind, lengths, world, max_tokens], sort_keys=True
     )

@@ -193,3 +193,21 @@ def test_length_split_is_a_speed_knob_of_the_sft_loss_sections():
             load_config(None, [f"{name}.length_split=2"])
     with pytest.raises(ConfigError, match=r"sft\.length_split"):
         load_config(None, ["sft.length_split=0"])
+
+
+TRAINING_SECTIONS = ("sft", "sft_more", "rft", "dpo", "grpo")
+
+
+def test_cpu_bf16_is_in_artifact_ids_and_train_states_only_when_on():
+    from flywheel.training.loop import LossParams, _fingerprint
+    from stages import sft
+
+    base = load_config(None)
+    on = load_config(None, [f"{name}.cpu_bf16=true" for name in TRAINING_SECTIONS])
+    for name in TRAINING_SECTIONS:
+        off_dump, on_dump = getattr(base, name).artifact_dump(), getattr(on, name).artifact_dump()
+        assert "cpu_bf16" not in off_dump  # the ids of runs from before the knob stay the same
+        assert on_dump == off_dump | {"cpu_bf16": True}
+    assert sft.artifact_config(on, 0) != sft.artifact_config(base, 0)
+    args = (0, LossParams(), "sft", [10, 12], 1, None)
+    assert _fingerprint(on.sft, *args) != _fingerprint(base.sft, *args)

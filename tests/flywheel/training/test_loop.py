@@ -757,3 +757,59 @@ def test_known_start_numbers_replace_the_validation_before_the_first_step(tmp_pa
     assert result.history[0] == {"step": 0, "val_score": 0.9, "val_success": 0.9}
     assert (result.best_step, result.best_score) == (0, 0.9)
     assert weights_digest(out) == weights_digest(tmp_path / "start")
+
+
+def linear_output_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """Records the dtype of every Linear layer's output while the model trains (a forward hook)."""
+    seen: set[torch.dtype] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
+    return seen
+
+
+@pytest.mark.parametrize("loss", ["sft", "dpo"])
+def test_cpu_bf16_runs_the_training_forward_under_bf16_autocast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loss: str
+) -> None:
+    """cpu_bf16: the layers compute in bf16, the weights stay float32, and the run learns what the
+    float32 run learns, to bf16 rounding. Run on any CPU: host_info is told the CPU has bf16
+    instructions (torch emulates them where it has not; the refusal is tested below)."""
+    host = loop.host_info()
+    monkeypatch.setattr(loop, "host_info", lambda: host | {"cpu_flags": ["avx512_bf16"]})
+    examples = counting(16) if loss == "sft" else pairs(16)
+    cfg = CFG | {"epochs": 2} | ({"nll_weight": 0.0} if loss == "dpo" else {})
+    runs = {}
+    for cpu_bf16 in (False, True):
+        model = tiny_model()
+        ref = tiny_model() if loss == "dpo" else None
+        seen = linear_output_dtypes(model)
+        out = tmp_path / str(cpu_bf16)
+        result = train(
+            model, examples, loss=loss, cfg=cfg | {"cpu_bf16": cpu_bf16}, out_dir=out, ref_model=ref
+        )
+        assert seen == ({torch.bfloat16} if cpu_bf16 else {torch.float32})
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        runs[cpu_bf16] = ([r["loss"] for r in result.history], saved_params(out))
+    (loss32, w32), (loss16, w16) = runs[False], runs[True]
+    assert len(loss32) == len(loss16) == 8
+    assert max(abs(a - b) for a, b in zip(loss32, loss16, strict=True)) < 0.05
+    assert not torch.equal(w32, w16)  # other rounding: other weights
+    # ... close to the float32 run's, against how far training moved them.
+    moved = (w32 - params(tiny_model())).norm()
+    assert (w32 - w16).norm() < 0.15 * moved  # 0.06-0.07 measured
+
+
+def test_cpu_bf16_is_refused_on_a_cpu_without_bf16_instructions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = loop.host_info()
+    monkeypatch.setattr(
+        loop, "host_info", lambda: host | {"cpu": "Old CPU", "cpu_flags": ["avx2", "avx512f"]}
+    )
+    with pytest.raises(ValueError, match=r"cpu_bf16: this CPU \(Old CPU\) has neither"):
+        train(tiny_model(), counting(8), loss="sft", cfg=CFG | {"cpu_bf16": True}, out_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+    # Off, the flags are not read and the run trains in float32.
+    result = train(tiny_model(), counting(8), loss="sft", cfg=CFG, out_dir=tmp_path / "off")
+    assert result.steps == 2

@@ -229,6 +229,19 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _lasting_child(pid: int, timeout_s: float = 10.0) -> int:
+    """A child of ``pid`` seen twice, 0.2 s apart: the one a list read at a single moment could
+    lose (a CI run saw the list empty right after it was not)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = set(_children(pid))
+        time.sleep(0.2)
+        lasting = seen & set(_children(pid))
+        if lasting:
+            return min(lasting)
+        assert time.monotonic() < deadline, f"timed out waiting for a lasting child of {pid}"
+
+
 def _wait_until(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -381,8 +394,7 @@ def test_the_server_is_gone_after_its_parent(how: str, tmp_path: Path) -> None:
         server = int(parent.stdout.readline())
         assert _running(server)
         if how == "killed":
-            _wait_until(lambda: _children(server))
-            child = _children(server)[0]
+            child = _lasting_child(server)
             parent.kill()  # no atexit: the server must notice on its own
         else:
             parent.stdin.close()  # a normal exit

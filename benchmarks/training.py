@@ -313,6 +313,30 @@ def compare(
     )
 
 
+def flat_weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def run_variants(
+    initial: torch.nn.Module,
+    examples: list[data.Example],
+    variants: dict[Any, SftConfig],
+    args: argparse.Namespace,
+) -> tuple[dict[Any, list[Run]], dict[Any, torch.Tensor]]:
+    """The loop once per variant and repeat, each from a copy of ``initial`` (the order reversed
+    on every other repeat); every variant's runs, and its trained weights (flattened)."""
+    runs: dict[Any, list[Run]] = {key: [] for key in variants}
+    weights: dict[Any, torch.Tensor] = {}
+    keys = list(variants)
+    for i in range(args.repeats):
+        for key in keys if i % 2 == 0 else keys[::-1]:
+            model = copy.deepcopy(initial)
+            torch.set_num_threads(args.threads)
+            runs[key].append(run_loop(model, examples, variants[key], args.seed))
+            weights[key] = flat_weights(model)
+    return runs, weights
+
+
 def compare_splits(
     initial: torch.nn.Module,
     examples: list[data.Example],
@@ -326,16 +350,11 @@ def compare_splits(
     plan = plan_steps(
         lengths, base.model_copy(update={"bucket_batches": bucket}), args.seed, args.steps
     )
-    runs: dict[int, list[Run]] = {n: [] for n in args.length_split}
-    weights: dict[int, torch.Tensor] = {}
-    for i in range(args.repeats):
-        order = args.length_split if i % 2 == 0 else args.length_split[::-1]
-        for n in order:
-            sc = base.model_copy(update={"bucket_batches": bucket, "length_split": n})
-            model = copy.deepcopy(initial)
-            torch.set_num_threads(args.threads)
-            runs[n].append(run_loop(model, examples, sc, args.seed))
-            weights[n] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    variants = {
+        n: base.model_copy(update={"bucket_batches": bucket, "length_split": n})
+        for n in args.length_split
+    }
+    runs, weights = run_variants(initial, examples, variants, args)
     first = args.length_split[0]
     ref = best_run(runs[first])
     ref_speed = ref.steady()[1] / ref.steady()[0]
@@ -375,16 +394,12 @@ def compare_precision(
     against float32, and how far bf16 autocast moves the trained weights (against how far
     training moved them)."""
     bucket = args.bucket_batches[0]
-    runs: dict[bool, list[Run]] = {False: [], True: []}
-    weights: dict[bool, torch.Tensor] = {}
-    start = torch.cat([p.detach().flatten() for p in initial.parameters()])
-    for i in range(args.repeats):
-        for on in (False, True) if i % 2 == 0 else (True, False):
-            sc = base.model_copy(update={"bucket_batches": bucket, "cpu_bf16": on})
-            model = copy.deepcopy(initial)
-            torch.set_num_threads(args.threads)
-            runs[on].append(run_loop(model, examples, sc, args.seed))
-            weights[on] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    variants = {
+        on: base.model_copy(update={"bucket_batches": bucket, "cpu_bf16": on})
+        for on in (False, True)
+    }
+    runs, weights = run_variants(initial, examples, variants, args)
+    start = flat_weights(initial)
     ref = best_run(runs[False])
     ref_speed = ref.steady()[1] / ref.steady()[0]
     moved = float((weights[False] - start).norm())

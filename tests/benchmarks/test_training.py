@@ -45,3 +45,26 @@ def test_length_split_rows_train_the_same_steps(capsys):
     padding = {k: float(row[3].rstrip("%")) for k, row in table.items()}
     assert padding["2"] < padding["1"]
     assert float(table["1"][-1]) == 0.0 and float(table["2"][-1]) < 1e-5  # max |dw|
+
+
+def test_cpu_bf16_rows_compare_against_float32(capsys, monkeypatch):
+    """--cpu-bf16: a float32 row at 1.00x and a bf16 row whose weights differ from it by bf16
+    rounding, small against how far training moved them. host_info is told the CPU has bf16
+    instructions, so the rows run on any CPU (torch emulates them where it has not)."""
+    import argparse
+
+    from benchmarks.training import compare_precision
+    from flywheel.training import loop
+
+    host = loop.host_info()
+    monkeypatch.setattr(loop, "host_info", lambda: host | {"cpu_flags": ["avx512_bf16"]})
+    cfg = load_config(ROOT / "configs" / "default.yaml", ["expert.n_tasks=24"])
+    examples, _, model = demo_examples(cfg)
+    base = cfg.sft.model_copy(update={"max_steps": 3, "val_every": 0, "micro_batch_size": 8})
+    args = argparse.Namespace(bucket_batches=[1], steps=3, seed=0, repeats=1, threads=1)
+    compare_precision(model, examples, base, args)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    table = {row[0]: row for row in rows if row and row[0] in ("false", "true")}
+    assert set(table) == {"false", "true"}
+    assert table["false"][3] == "1.00x" and float(table["false"][-1]) == 0.0
+    assert 0.0 < float(table["true"][-1]) < 0.15  # |dw|/moved

@@ -443,13 +443,36 @@ class SftConfig(SftLossSection):
         default=False,
         description="In rounds >= 2, train on the successes of every earlier round's explorations too (grpo.resample's included), the data rft reads, not only this round's.",
     )
+    restarts: int = Field(
+        default=1,
+        ge=1,
+        description='Round 0: train the bootstrap this many times from the initial policy, with data orders train_seed, + 1, ..., each until validation stops it, and keep the run with the best validation score. A run from scratch can stop on a plateau that another data order leaves (docs/results.md, "The bootstrap\'s plateau"); costs up to this many bootstraps. Needs val_every > 0.',
+    )
+
+    @model_validator(mode="after")
+    def _restarts_need_validation(self) -> SftConfig:
+        if self.restarts > 1 and not self.val_every:
+            raise ValueError(
+                f"restarts ({self.restarts}) keeps the run with the best validation score, "
+                "so it needs val_every > 0"
+            )
+        return self
+
+    def result_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
+        """As for any training section, without ``restarts``: it says how many runs the
+        bootstrap makes, not what one of them computes (train-state fingerprints)."""
+        return super().result_dump({"restarts"} | (exclude or set()))
 
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
         """As for any training section; ``round_patience`` only when set, so runs from before
         the field keep their ids. ``replay`` never: it decides which explorations the step
-        reads, and their ids are among its inputs."""
+        reads, and their ids are among its inputs. ``restarts`` only above 1 (and never in
+        rounds >= 1, which exclude it: they do not restart)."""
         skip = {"round_patience"} if self.round_patience is None else set()
-        return super().artifact_dump(skip | {"replay"} | (exclude or set()))
+        dump = super().artifact_dump(skip | {"replay"} | (exclude or set()))
+        if self.restarts > 1 and "restarts" not in (exclude or set()):
+            dump["restarts"] = self.restarts
+        return dump
 
 
 class BaselineSection(SftLossSection):

@@ -16,7 +16,14 @@ ids. Val-split rows are never trained on.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any, cast
 
 import polars as pl
@@ -33,6 +40,7 @@ from flywheel.config import Config, SftConfig
 from flywheel.progress import say
 from flywheel.store import ArtifactRef, Store
 from flywheel.training.launch import run_training
+from flywheel.training.loop import TrainResult
 from flywheel.trajectory import Trajectory
 from stages._common import (
     start_validation,
@@ -43,6 +51,10 @@ from stages._common import (
 
 # Read by the SFT steps of rounds >= 1 only.
 ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr", "round_patience", "replay"}
+# Read by round 0 only.
+BOOTSTRAP_FIELDS = {"restarts"}
+# Where sft.restarts trains each run, inside the artifact's folder, and what each leaves there.
+RESTART_DIR, RESTART_RESULT = "restart", "result.json"
 
 
 def section(cfg: Config, round: int) -> SftConfig:
@@ -63,7 +75,7 @@ def artifact_config(cfg: Config, round: int) -> dict[str, Any]:
     they apply), the seed and what validation reads."""
     sc = section(cfg, round)
     return {
-        "sft": sc.artifact_dump(exclude=ROUND_FIELDS if round == 0 else None),
+        "sft": sc.artifact_dump(exclude=ROUND_FIELDS if round == 0 else BOOTSTRAP_FIELDS),
         "seed": cfg.train_seed,
         "validation": validation_config(cfg, sc),
     }
@@ -133,17 +145,89 @@ def run(
     num_params = sum(p.numel() for p in model.parameters())
     say(f"sft: round {round}, {len(examples)} trajectories from {', '.join(d.id for d in data)}")
     start_key, known = start_validation(cfg, sc, store, policy, val_tasks, val_demos)
-    result = run_training(
-        model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=sc,
-        seed=cfg.train_seed, out_dir=out, log=log, log_every=cfg.run.log_every,
+    train = partial(
+        run_training, examples=examples, model_dir=checkpoint_dir(store, policy), loss="sft",
+        cfg=sc, log_every=cfg.run.log_every, start_validation=known,
         validation=partial(validation, cfg, sc, store, tokenizer, val_tasks, val_demos),
-        start_validation=known,
     )  # fmt: skip
+    extra: dict[str, Any] = {}
+    if round == 0 and sc.restarts > 1:
+        result, extra["restarts"] = train_restarts(
+            train, store, policy, model, out, cfg.train_seed, sc.restarts, log
+        )
+    else:
+        result = train(model, seed=cfg.train_seed, out_dir=out, log=log)
     write_train_log(out, result.history)
     return write_checkpoint(
         w, model, tokenizer, policy="sft", round=round, parent=policy.id,
         base=policy.summary.get("base", ""), train_steps=result.steps,
         final_loss=result.final_loss,
-        summary={"examples": len(examples), **train_summary(result, start_key)},
+        summary={"examples": len(examples), **train_summary(result, start_key), **extra},
         save_model=False, num_params=num_params,
     )  # fmt: skip
+
+
+def train_restarts(
+    train: Callable[..., TrainResult],
+    store: Store,
+    policy: ArtifactRef,
+    model: Any,
+    out: Path,
+    seed: int,
+    restarts: int,
+    log: Callable[[dict], None] | None,
+) -> tuple[TrainResult, list[dict[str, Any]]]:
+    """The bootstrap trained ``restarts`` times from ``policy`` with data orders seed, seed + 1,
+    ...; the run with the best validation score (the earliest on a tie) is kept: its weights
+    are copied into ``out`` and its records go to ``log``. Each run trains in
+    ``out/restart-K`` and leaves its TrainResult there (``result.json``), so a rerun after a
+    crash keeps the runs that finished (and resumes the one that did not from its train
+    state); once all have finished only those results stay, as the artifact's record of the
+    runs it chose from. Returns the kept run's result and one summary row per run."""
+    results: list[TrainResult] = []
+    for k in range(restarts):
+        folder = out / f"{RESTART_DIR}-{k}"
+        done = folder / RESTART_RESULT
+        if done.is_file():
+            results.append(TrainResult(**json.loads(done.read_text())))
+            say(f"sft: restart {k + 1}/{restarts} (seed {seed + k}) finished before: kept")
+            continue
+        say(f"sft: restart {k + 1}/{restarts}, data order seed {seed + k}")
+        start = model if k == 0 else load_policy(store, policy)[0]
+        result = train(start, seed=seed + k, out_dir=folder, log=None)
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(result)))
+        os.replace(tmp, done)  # a rerun never reads half a result
+        results.append(result)
+    scores = [r.best_score if r.best_score is not None else -math.inf for r in results]
+    best = max(range(restarts), key=lambda k: (scores[k], -k))
+    chosen = out / f"{RESTART_DIR}-{best}"
+    for item in chosen.iterdir():
+        if item.name != RESTART_RESULT and not item.name.startswith("_"):
+            target = out / item.name
+            if item.is_dir():
+                shutil.copytree(item, target, dirs_exist_ok=True)
+            else:
+                shutil.copy2(item, target)
+    for k in range(restarts):  # the weights of every run are in `out` or not kept
+        for item in (out / f"{RESTART_DIR}-{k}").iterdir():
+            if item.name != RESTART_RESULT:
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
+    rows = [
+        {
+            "seed": seed + k, "best_step": r.best_step, "best_score": r.best_score,
+            "steps": r.steps, "stop_reason": r.stop_reason, "train_tokens": r.tokens,
+            "train_time_s": r.train_time_s, "kept": k == best,
+        }
+        for k, r in enumerate(results)
+    ]  # fmt: skip
+    others = ", ".join(f"seed {seed + k}: {scores[k]:.4f}" for k in range(restarts) if k != best)
+    say(
+        f"sft: kept restart {best + 1}/{restarts} (seed {seed + best}, val score "
+        f"{scores[best]:.4f}; {others})"
+    )
+    if log is not None:
+        for record in results[best].history:
+            if "loss" in record:  # not the validation before the first step
+                log(record)
+    return results[best], rows

@@ -1,0 +1,123 @@
+"""``sft.restarts``: the bootstrap trained several times with data orders seed, seed + 1, ...,
+keeping the run with the best validation score; what it hashes; a crash between runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import stages.expert
+import stages.init
+import stages.sft
+import stages.tasks
+from flywheel.checkpoint import checkpoint_dir, load_policy, weights_digest
+from flywheel.config import ConfigError, load_config
+from flywheel.store import Store
+from flywheel.training.launch import run_training
+from stages._common import start_validation, validation
+from tests.conftest import tiny_overrides
+
+RESTARTS = ["sft.val_every=1", "sft.val_metric=loss", "sft.patience=10", "sft.max_steps=4"]
+
+
+def _bootstrap_inputs(tmp_path, *extra):
+    cfg = load_config(None, tiny_overrides(tmp_path, *RESTARTS, *extra))
+    store = Store(cfg.run.store_root(), cfg.run.name)
+    train, val, _ = stages.tasks.run(cfg, store)
+    expert = stages.expert.run(cfg, store, train, val)
+    init = stages.init.run(cfg, store, expert, train)
+    return cfg, store, init, expert
+
+
+def _sft(cfg, store, init, expert):
+    return stages.sft.run(cfg, store, init, [expert], round=0, val_demos=expert)
+
+
+def test_restarts_keep_the_run_with_the_best_val_score(tmp_path):
+    cfg, store, init, expert = _bootstrap_inputs(tmp_path, "sft.restarts=3")
+    ref = _sft(cfg, store, init, expert)
+    runs = ref.summary["restarts"]
+    assert [r["seed"] for r in runs] == [0, 1, 2]
+    scores = [r["best_score"] for r in runs]
+    assert len(set(scores)) == 3  # three data orders, three val curves
+    kept = [r for r in runs if r["kept"]]
+    assert len(kept) == 1 and kept[0]["best_score"] == max(scores)
+    assert ref.summary["best_step"] == kept[0]["best_step"]
+
+    # The kept weights are those of one plain run with that data order from the same init.
+    model, tokenizer = load_policy(store, init)
+    sc = stages.sft.section(cfg, 0)
+    _, known = start_validation(cfg, sc, store, init, None, expert)
+    examples = stages.sft.examples_from(store, [expert], tokenizer)
+    plain = tmp_path / "plain"
+    run_training(
+        model, examples, model_dir=checkpoint_dir(store, init), loss="sft", cfg=sc,
+        seed=kept[0]["seed"], out_dir=plain, start_validation=known,
+        validation=lambda: validation(cfg, sc, store, tokenizer, None, expert),
+    )  # fmt: skip
+    folder = checkpoint_dir(store, ref)
+    assert weights_digest(folder) == weights_digest(plain)
+
+    # Only each run's result stays in its folder: no weights, no train state.
+    for k in range(3):
+        left = sorted(p.name for p in (folder / f"restart-{k}").iterdir())
+        assert left == ["result.json"]
+        result = json.loads((folder / f"restart-{k}" / "result.json").read_text())
+        assert result["best_score"] == runs[k]["best_score"] and result["steps"] == 3  # 1 epoch
+
+
+def test_a_crash_between_restarts_keeps_the_finished_runs(tmp_path, monkeypatch):
+    cfg, store, init, expert = _bootstrap_inputs(tmp_path, "sft.restarts=3")
+    seeds: list[int] = []
+
+    def crash_on_third(*args, **kw):
+        seeds.append(kw["seed"])
+        if len(seeds) == 3:
+            raise KeyboardInterrupt("killed during the third run")
+        return run_training(*args, **kw)
+
+    monkeypatch.setattr(stages.sft, "run_training", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        _sft(cfg, store, init, expert)
+    assert seeds == [0, 1, 2]
+
+    def counted(*args, **kw):
+        seeds.append(kw["seed"])
+        return run_training(*args, **kw)
+
+    seeds.clear()
+    monkeypatch.setattr(stages.sft, "run_training", counted)
+    resumed = _sft(cfg, store, init, expert)
+    assert seeds == [2]  # the two finished runs were not trained again
+
+    # The same artifact, weights and choice as a run that was never interrupted.
+    cfg2, store2, init2, expert2 = _bootstrap_inputs(tmp_path / "again", "sft.restarts=3")
+    whole = _sft(cfg2, store2, init2, expert2)
+    assert resumed.id == whole.id
+
+    def untimed(ref):
+        return [
+            {k: v for k, v in r.items() if k != "train_time_s"} for r in ref.summary["restarts"]
+        ]
+
+    assert untimed(resumed) == untimed(whole)
+    assert weights_digest(checkpoint_dir(store, resumed)) == weights_digest(
+        checkpoint_dir(store2, whole)
+    )
+
+
+def test_restarts_are_hashed_only_when_above_one_and_only_in_round_0(tmp_path):
+    one = load_config(None, tiny_overrides(tmp_path, *RESTARTS))
+    three = load_config(None, tiny_overrides(tmp_path, *RESTARTS, "sft.restarts=3"))
+    assert "restarts" not in stages.sft.artifact_config(one, 0)["sft"]
+    assert stages.sft.artifact_config(three, 0)["sft"]["restarts"] == 3
+    # A round's SFT step does not restart: its id is the same either way.
+    assert stages.sft.artifact_config(one, 1) == stages.sft.artifact_config(three, 1)
+    # Nor is it in a run's train-state fingerprint (each run has its own folder and seed).
+    assert "restarts" not in three.sft.result_dump()
+
+
+def test_restarts_without_validation_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"restarts \(2\) keeps the run with the best validation"):
+        load_config(None, tiny_overrides(tmp_path, "sft.restarts=2", "sft.val_every=0"))

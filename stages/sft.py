@@ -190,7 +190,7 @@ def train_restarts(
         done = folder / RESTART_RESULT
         if done.is_file():
             results.append(TrainResult(**json.loads(done.read_text())))
-            say(f"sft: restart {k + 1}/{restarts} (seed {seed + k}) finished before: kept")
+            say(f"sft: restart {k + 1}/{restarts} (seed {seed + k}) finished before: read back")
             continue
         say(f"sft: restart {k + 1}/{restarts}, data order seed {seed + k}")
         start = model if k == 0 else load_policy(store, policy)[0]

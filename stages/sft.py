@@ -179,7 +179,7 @@ def train_restarts(
 ) -> tuple[TrainResult, list[dict[str, Any]]]:
     """The bootstrap trained ``restarts`` times from ``policy`` with data orders seed, seed + 1,
     ...; the run with the best validation score (the earliest on a tie) is kept: its weights
-    are copied into ``out`` and its records go to ``log``. Each run trains in
+    are moved into ``out`` and its records go to ``log``. Each run trains in
     ``out/restart-K`` and leaves its TrainResult there (``result.json``), so a rerun after a
     crash keeps the runs that finished (and resumes the one that did not from its train
     state); once all have finished only those results stay, as the artifact's record of the
@@ -202,14 +202,13 @@ def train_restarts(
     scores = [r.best_score if r.best_score is not None else -math.inf for r in results]
     best = max(range(restarts), key=lambda k: (scores[k], -k))
     chosen = out / f"{RESTART_DIR}-{best}"
-    for item in chosen.iterdir():
+    for item in chosen.iterdir():  # a rerun after a crash here moves what is left
         if item.name != RESTART_RESULT and not item.name.startswith("_"):
             target = out / item.name
-            if item.is_dir():
-                shutil.copytree(item, target, dirs_exist_ok=True)
-            else:
-                shutil.copy2(item, target)
-    for k in range(restarts):  # the weights of every run are in `out` or not kept
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(item, target)
+    for k in range(restarts):  # the kept weights are in `out` now; the others are not kept
         for item in (out / f"{RESTART_DIR}-{k}").iterdir():
             if item.name != RESTART_RESULT:
                 shutil.rmtree(item) if item.is_dir() else item.unlink()

@@ -4,6 +4,7 @@ keeping the run with the best validation score; what it hashes; a crash between 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -105,6 +106,48 @@ def test_a_crash_between_restarts_keeps_the_finished_runs(tmp_path, monkeypatch)
     assert weights_digest(checkpoint_dir(store, resumed)) == weights_digest(
         checkpoint_dir(store2, whole)
     )
+
+
+def test_a_crash_while_the_kept_weights_move_is_finished_by_a_rerun(tmp_path, monkeypatch):
+    cfg, store, init, expert = _bootstrap_inputs(tmp_path, "sft.restarts=2")
+    real_replace = stages.sft.os.replace
+    moved: list[str] = []
+
+    def crash_on_second_move(src, dst):
+        src, dst = Path(src), Path(dst)
+        # Only the moves from a run's folder up into the artifact's (training saves files
+        # with os.replace too, inside the run's folder).
+        if src.parent.name.startswith("restart-") and dst.parent == src.parent.parent:
+            moved.append(src.name)
+            if len(moved) == 2:
+                raise KeyboardInterrupt("killed while moving the kept run's files")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(stages.sft.os, "replace", crash_on_second_move)
+    with pytest.raises(KeyboardInterrupt):
+        _sft(cfg, store, init, expert)
+    assert len(moved) == 2  # one file moved, the crash on the next
+    monkeypatch.setattr(stages.sft.os, "replace", real_replace)
+
+    trained: list[int] = []
+
+    def counted(*args, **kw):
+        trained.append(kw["seed"])
+        return run_training(*args, **kw)
+
+    monkeypatch.setattr(stages.sft, "run_training", counted)
+    resumed = _sft(cfg, store, init, expert)
+    assert trained == []  # both runs had finished: the rerun only moves what was left
+
+    cfg2, store2, init2, expert2 = _bootstrap_inputs(tmp_path / "again", "sft.restarts=2")
+    whole = _sft(cfg2, store2, init2, expert2)
+    assert resumed.id == whole.id
+    assert weights_digest(checkpoint_dir(store, resumed)) == weights_digest(
+        checkpoint_dir(store2, whole)
+    )
+    folder = checkpoint_dir(store, resumed)
+    for k in range(2):
+        assert sorted(p.name for p in (folder / f"restart-{k}").iterdir()) == ["result.json"]
 
 
 def test_restarts_are_hashed_only_when_above_one_and_only_in_round_0(tmp_path):

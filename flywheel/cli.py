@@ -349,6 +349,11 @@ def _parser() -> argparse.ArgumentParser:
     # The ids and the overrides after them arrive together (argparse gives every positional
     # to b): main splits them at the first key=value.
     cp.add_argument("b", nargs="+", help="the eval artifact(s) to compare against, averaged")
+    cp.add_argument(
+        "--by-difficulty",
+        action="store_true",
+        help="also each difficulty level's success and paired gain (arith: operations)",
+    )
     cp.add_argument("--config")
     cp.add_argument("overrides", nargs="*")
 
@@ -627,7 +632,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         # Store and Store.get check that each part of an id (RUN:ID) is a plain name.
         ids = [x for x in args.b if "=" not in x]
         overrides = [x for x in args.b if "=" in x] + args.overrides
-        print(compare(_store(args.config, overrides), args.a, *ids))
+        print(
+            compare(_store(args.config, overrides), args.a, *ids, by_difficulty=args.by_difficulty)
+        )
         return 0
     if args.command == "coverage":
         from flywheel.config import load_config

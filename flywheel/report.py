@@ -412,7 +412,19 @@ def read_tasks(store: Store, ref: ArtifactRef) -> dict[tuple[str, str], str]:
     return out
 
 
-def compare(store: Store, a_id: str, *b_ids: str) -> str:
+def read_difficulty(store: Store, ref: ArtifactRef) -> dict[tuple[str, str], int | None]:
+    """Every episode's task difficulty in an eval artifact (env-defined; arith: the number of
+    operations), by (env, task id)."""
+    table = store.read(ref, columns=["env", "task_id", "difficulty"]).to_pydict()
+    return {
+        (env, task): level
+        for env, task, level in zip(
+            table["env"], table["task_id"], table["difficulty"], strict=True
+        )
+    }
+
+
+def compare(store: Store, a_id: str, *b_ids: str, by_difficulty: bool = False) -> str:
     """``flywheel compare A B [B ...]``: eval artifacts (any rounds, baselines or versions, which
     the report does not set side by side), each env's success of each and the paired gain of A
     over B on the tasks all ran (± its standard error, * / ! beyond two above / below). Several
@@ -420,7 +432,8 @@ def compare(store: Store, a_id: str, *b_ids: str) -> str:
     measured against the baseline's mean rather than one draw of it. An id written ``RUN:ID``
     is read from run RUN's store (same root): two runs are paired only where their test tasks
     are the same, which is checked task by task (the first observation; the suite's instruction
-    may differ)."""
+    may differ). With ``by_difficulty`` each env's line is followed by one per difficulty level
+    (A's record of it), paired over that level's tasks: where a gain comes from."""
     if not b_ids:
         raise ValueError("compare needs at least one eval artifact after the first")
     names = (a_id, *b_ids)
@@ -428,29 +441,45 @@ def compare(store: Store, a_id: str, *b_ids: str) -> str:
     a, *bs = (read_outcomes(where, ref) for where, ref in found)
     if len({where.base for where, _ in found}) > 1:
         _check_same_tasks(names, [read_tasks(where, ref) for where, ref in found])
+    levels = read_difficulty(*found[0]) if by_difficulty else {}
     against = b_ids[0] if len(b_ids) == 1 else f"the mean of {', '.join(b_ids)}"
     lines = [f"{a_id} (A) against {against} (B), paired over the tasks all ran:"]
     for env in sorted({k[0] for k in a} | {k[0] for b in bs for k in b}):
         keys = sorted(k for k in a if k[0] == env and all(k in b for b in bs))
         if not keys:
             raise ValueError(f"{a_id} and {', '.join(b_ids)} ran no task of env {env!r} in common")
-        xa = [a[k] for k in keys]
-        xb = [sum(b[k] for b in bs) / len(bs) for k in keys]
-        ra, rb = sum(xa) / len(keys), sum(xb) / len(keys)
-        gain, se = ra - rb, paired_standard_error(xa, xb)
-        mark = "*" if gain > 2 * se else "!" if gain < -2 * se else " "
-        each = ""
-        if len(bs) > 1:
-            rates = (sum(b[k] for k in keys) / len(keys) for b in bs)
-            each = f" (each {', '.join(f'{100 * r:.1f}%' for r in rates)})"
-        lines.append(
-            f"  {env:<8} {len(keys):>5} tasks   A {100 * ra:5.1f}%   B {100 * rb:5.1f}%   "
-            f"A - B {100 * gain:+5.1f} ± {100 * se:.1f}{mark}{each}"
-        )
+        lines.append(f"  {env:<8} " + _compare_cells(keys, a, bs))
+        if by_difficulty:
+            # Levels in order; tasks without one (an env that records none) last.
+            for level in sorted({levels[k] for k in keys}, key=lambda x: (x is None, x or 0)):
+                at = [k for k in keys if levels[k] == level]
+                lines.append(f"    difficulty {level!s:<4} " + _compare_cells(at, a, bs))
     lines += _host_note(
         [(where, ref, name) for (where, ref), name in zip(found, names, strict=True)]
     )
     return "\n".join(lines)
+
+
+def _compare_cells(
+    keys: list[tuple[str, str]],
+    a: dict[tuple[str, str], float],
+    bs: list[dict[tuple[str, str], float]],
+) -> str:
+    """One line of ``compare`` over ``keys``: how many tasks, A's and B's success (B averaged over
+    its repeats task by task) and the paired gain with its standard error."""
+    xa = [a[k] for k in keys]
+    xb = [sum(b[k] for b in bs) / len(bs) for k in keys]
+    ra, rb = sum(xa) / len(keys), sum(xb) / len(keys)
+    gain, se = ra - rb, paired_standard_error(xa, xb)
+    mark = "*" if gain > 2 * se else "!" if gain < -2 * se else " "
+    each = ""
+    if len(bs) > 1:
+        rates = (sum(b[k] for k in keys) / len(keys) for b in bs)
+        each = f" (each {', '.join(f'{100 * r:.1f}%' for r in rates)})"
+    return (
+        f"{len(keys):>5} tasks   A {100 * ra:5.1f}%   B {100 * rb:5.1f}%   "
+        f"A - B {100 * gain:+5.1f} ± {100 * se:.1f}{mark}{each}"
+    )
 
 
 def _check_same_tasks(names: tuple[str, ...], tasks: list[dict[tuple[str, str], str]]) -> None:

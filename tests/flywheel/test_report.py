@@ -271,6 +271,36 @@ def test_compare_pairs_evaluations_of_two_runs_on_the_same_tasks(tmp_path, capsy
     assert "is not a plain name" in capsys.readouterr().err
 
 
+def test_compare_by_difficulty_pairs_each_level(tmp_path, capsys):
+    """``--by-difficulty`` follows each env's line with one per difficulty level, paired over
+    that level's tasks only: where a gain comes from."""
+    store = Store(str(tmp_path), run="a")
+    round2 = _evaluate(store, _checkpoint(store, "dpo", 2, []), 2)  # tasks 0-7 of 12 solved
+    sft = _evaluate(store, _checkpoint(store, "sft", 0, []), 0)  # tasks 0-2 solved
+    out = compare(store, round2.id, sft.id, by_difficulty=True).splitlines()
+    arith = [line for line in out if line.startswith("  arith")]
+    assert arith and arith[0].endswith("A  66.7%   B  25.0%   A - B +41.7 ± 14.2*")
+    i = out.index(arith[0])
+    # difficulty 1 + i % 3: level 1 holds tasks 0, 3, 6, 9 (A solves 0, 3, 6; B 0), level 2
+    # tasks 1, 4, 7, 10 (A 1, 4, 7; B 1), level 3 tasks 2, 5, 8, 11 (A 2, 5; B 2).
+    for line, level, solved_a in zip(out[i + 1 : i + 4], (1, 2, 3), (3, 3, 2), strict=True):
+        xa = [float(k < solved_a) for k in range(4)]
+        xb = [float(k == 0) for k in range(4)]
+        se = 100 * paired_standard_error(xa, xb)
+        gain = 100 * (solved_a - 1) / 4
+        mark = "*" if gain > 2 * se else " "
+        assert line == (
+            f"    difficulty {level:<4}     4 tasks   A {25 * solved_a:5.1f}%   B  25.0%   "
+            f"A - B {gain:+5.1f} ± {se:.1f}{mark}"
+        )
+    # Without the flag no level lines; the flag through the command line.
+    assert not any("difficulty" in line for line in compare(store, round2.id, sft.id).split("\n"))
+    capsys.readouterr()
+    args = ["compare", round2.id, sft.id, "--by-difficulty", f"run.store={tmp_path}", "run.name=a"]
+    assert main(args) == 0
+    assert "    difficulty 3        4 tasks   A  50.0%" in capsys.readouterr().out
+
+
 def test_run_spread_by_hand():
     """Round 2 trained twice (55.8%, 55.8%) against two rft runs (54.5%, 47.9%): the runs'
     variance pooled over both sides is (0 + 2 * 0.033^2) / 2, the error of the difference of the

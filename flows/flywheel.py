@@ -42,7 +42,7 @@ from flywheel.config import BASELINES, Config, load_config
 from flywheel.html_report import write_html
 from flywheel.progress import say  # stdout once, and the flow run's logs in Prefect
 from flywheel.report import STATE_FILE, collect, format_table
-from flywheel.store import ArtifactRef, Store
+from flywheel.store import ArtifactRef, Store, rerun_reason
 from flywheel.tracking import Tracker
 
 # Stages that talk to environments get a retry: env servers are the flaky part.
@@ -129,6 +129,9 @@ def _run(
         cached = ref.id not in plan.store.committed
         label = "cache hit" if cached else f"{took:7.1f}s"
         say(f"[round {round}] {name:<9} {label:>9}  {ref.id:<22} {_headline(ref)}")
+        why = None if cached else rerun_reason(plan.store, ref)
+        if why:  # what a user who expected a cache hit needs to know
+            say(f"          {'':<9} {'':>9}  ({why})")
         plan.tracker.log_stage(plan.store, ref, cached, repeat=plan.repeat)
         if name == "evaluate":
             plan.evaluations.append(ref.id)

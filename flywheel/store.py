@@ -612,6 +612,41 @@ class ArtifactWriter:
         return self.cached
 
 
+def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"a.b": value}``; lists and scalars are leaves."""
+    if not isinstance(config, dict):
+        return {prefix: config}
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def rerun_reason(store: Store, ref: ArtifactRef, shown: int = 5) -> str | None:
+    """Why a stage computed ``ref`` rather than finding it: the nearest earlier artifact of the
+    same stage and round made from the same inputs (fewest differing config keys; the newest of
+    those), and the keys the two differ in (``"same inputs as init-043fe5ad2313; config
+    differs in revision_noops"``). None when there is none: a first run, or new inputs, which
+    say why by themselves. Artifacts this process wrote (a stage's other outputs, such as the
+    tasks stage's splits) are not earlier runs and are left out."""
+    mine = _flatten(ref.manifest.get("config", {}))
+    best: tuple[int, ArtifactRef, list[str]] | None = None
+    for other in reversed(store.list(round=ref.round, stage=ref.stage)):
+        if other.id in store.committed or other.inputs != ref.inputs:
+            continue
+        if other.id.split(".")[0] == ref.id.split(".")[0]:
+            continue  # an earlier version of the same config (``force``)
+        theirs = _flatten(other.manifest.get("config", {}))
+        keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        if keys and (best is None or len(keys) < best[0]):
+            best = (len(keys), other, keys)
+    if best is None:
+        return None
+    _, other, keys = best
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"same inputs as {other.id}; config differs in {', '.join(keys[:shown])}{more}"
+
+
 def _contract(kind: str) -> Contract:
     try:
         return CONTRACTS[kind]

@@ -10,7 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_contracts import SchemaError
-from flywheel.store import KERNEL_ENV, ArtifactError, Store, host_label, read_parquet
+from flywheel.store import (
+    KERNEL_ENV,
+    ArtifactError,
+    Store,
+    host_label,
+    read_parquet,
+    rerun_reason,
+)
 
 
 def task_rows(n, split="train"):
@@ -110,6 +117,43 @@ def test_inputs_change_the_id(tmp_path):
     a, _ = write_tasks(store, inputs=["x-1"])
     b, _ = write_tasks(store, inputs=["x-2"])
     assert a.id != b.id
+
+
+def test_rerun_reason_names_the_config_keys_that_changed(tmp_path):
+    """A stage that was computed, not found, says which config keys set it apart from the
+    nearest earlier artifact of its stage made from the same inputs; nothing for new inputs or a
+    first run; a forced version of the same config, or a sibling this process wrote, is not a
+    reason."""
+    earlier = Store(str(tmp_path))
+    base = {"model": {"tiny": {"hidden_size": 64}, "base": None}, "seed": 1}
+    first, _ = write_tasks(earlier, config=base, inputs=["expert-1"])
+    assert rerun_reason(earlier, first) is None  # nothing else of its stage
+    again, _ = write_tasks(earlier, config=base, inputs=["expert-1"], force=True)
+    assert rerun_reason(earlier, again) is None  # the same config, written again
+    far = {"seed": 9, "lr": 1, "steps": 2}
+    write_tasks(earlier, config=far, inputs=["expert-1"])
+    # A later process (a new Store): what this one wrote was an earlier run's.
+    store = Store(str(tmp_path))
+    wider = {"model": {"tiny": {"hidden_size": 128}, "base": None}, "seed": 1, "noops": ["x"]}
+    changed, _ = write_tasks(store, config=wider, inputs=["expert-1"])
+    # the nearest: ``again`` (2 keys apart), not the newer ``far`` (5 apart)
+    assert rerun_reason(store, changed) == (
+        f"same inputs as {again.id}; config differs in model.tiny.hidden_size, noops"
+    )
+    sibling, _ = write_tasks(store, config={**wider, "split": "test"}, inputs=["expert-1"])
+    # ``changed`` (1 key apart) was written by this process: ``again`` is the nearest earlier one
+    assert rerun_reason(store, sibling) == (
+        f"same inputs as {again.id}; config differs in model.tiny.hidden_size, noops, split"
+    )
+    elsewhere, _ = write_tasks(store, config={"seed": 2}, inputs=["expert-2"])
+    assert rerun_reason(store, elsewhere) is None  # new inputs say why by themselves
+    many = {f"k{i}": i for i in range(7)}
+    last, _ = write_tasks(Store(str(tmp_path)), config=many, inputs=["expert-1"])
+    # nearest earlier: ``again``, the newest version of ``base`` (its 2 keys and the 7 new ones;
+    # ``far`` is 10 apart); two shown
+    assert rerun_reason(store, last, shown=2) == (
+        f"same inputs as {again.id}; config differs in k0, k1 and 7 more"
+    )
 
 
 def test_schema_mismatch_on_write_names_column(tmp_path):

@@ -631,7 +631,8 @@ def rerun_reason(store: Store, ref: ArtifactRef, shown: int = 5) -> str | None:
     tasks stage's splits) are not earlier runs and are left out."""
     mine = _flatten(ref.manifest.get("config", {}))
     best: tuple[int, ArtifactRef, list[str]] | None = None
-    for other in reversed(store.list(round=ref.round, stage=ref.stage)):
+    earlier, _ = store.scan(round=ref.round, stage=ref.stage)  # a corrupted one: not a reason
+    for other in reversed(earlier):
         if other.id in store.committed or other.inputs != ref.inputs:
             continue
         if other.id.split(".")[0] == ref.id.split(".")[0]:

@@ -145,6 +145,10 @@ def test_rerun_reason_names_the_config_keys_that_changed(tmp_path):
     assert rerun_reason(store, sibling) == (
         f"same inputs as {again.id}; config differs in model.tiny.hidden_size, noops, split"
     )
+    broken = tmp_path / "default" / "round-0" / "tasks" / "tasks-000000000000"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{not json")
+    assert rerun_reason(store, changed) is not None  # a corrupted manifest is passed over
     elsewhere, _ = write_tasks(store, config={"seed": 2}, inputs=["expert-2"])
     assert rerun_reason(store, elsewhere) is None  # new inputs say why by themselves
     many = {f"k{i}": i for i in range(7)}

@@ -612,14 +612,21 @@ class ArtifactWriter:
         return self.cached
 
 
-def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config as ``{"a.b": value}``; lists and scalars are leaves."""
-    if not isinstance(config, dict):
-        return {prefix: config}
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
+def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"a.b": value}``; a list of sections is keyed by each one's
+    ``name`` (``envs.arith.n_test``), other lists and scalars are leaves. MLflow's params and
+    ``rerun_reason`` both read configs this way."""
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        return out
+    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+        out = {}
+        for i, v in enumerate(data):
+            out.update(flatten_config(v, f"{prefix}{v.get('name', str(i))}."))
+        return out
+    return {prefix.rstrip("."): data}
 
 
 def rerun_reason(store: Store, ref: ArtifactRef, shown: int = 5) -> str | None:
@@ -629,7 +636,7 @@ def rerun_reason(store: Store, ref: ArtifactRef, shown: int = 5) -> str | None:
     differs in revision_noops"``). None when there is none: a first run, or new inputs, which
     say why by themselves. Artifacts this process wrote (a stage's other outputs, such as the
     tasks stage's splits) are not earlier runs and are left out."""
-    mine = _flatten(ref.manifest.get("config", {}))
+    mine = flatten_config(ref.manifest.get("config", {}))
     best: tuple[int, ArtifactRef, list[str]] | None = None
     earlier, _ = store.scan(round=ref.round, stage=ref.stage)  # a corrupted one: not a reason
     for other in reversed(earlier):
@@ -637,7 +644,7 @@ def rerun_reason(store: Store, ref: ArtifactRef, shown: int = 5) -> str | None:
             continue
         if other.id.split(".")[0] == ref.id.split(".")[0]:
             continue  # an earlier version of the same config (``force``)
-        theirs = _flatten(other.manifest.get("config", {}))
+        theirs = flatten_config(other.manifest.get("config", {}))
         keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         if keys and (best is None or len(keys) < best[0]):
             best = (len(keys), other, keys)

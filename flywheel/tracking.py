@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 from flywheel.checkpoint import TRAIN_LOG
 from flywheel.config import BASELINES
-from flywheel.store import ArtifactRef, Store
+from flywheel.store import ArtifactRef, Store, flatten_config
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric, Run
@@ -315,7 +315,7 @@ class Tracker:
             return
         from mlflow.entities import Param
 
-        flat = _flatten(params)
+        flat = flatten_config(params)
         items = [Param(k[:250], redact(str(v))[:6000]) for k, v in flat.items()]
         for i in range(0, len(items), 100):
             self._mlflow.log_batch(run_id, params=items[i : i + 100])
@@ -514,18 +514,3 @@ def _compact(value: Any) -> str:
 def _store_key(store: Store) -> str:
     """Which store an artifact lives in (ids are equal across stores with equal configs)."""
     return redact(f"{store.root_url.rstrip('/')}/{store.run}")
-
-
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        out: dict[str, Any] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
-        out = {}
-        for i, v in enumerate(data):
-            key = v.get("name", str(i)) if isinstance(v, dict) else str(i)
-            out.update(_flatten(v, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): data}

@@ -149,6 +149,13 @@ def test_rerun_reason_names_the_config_keys_that_changed(tmp_path):
     broken.mkdir()
     (broken / "manifest.json").write_text("{not json")
     assert rerun_reason(store, changed) is not None  # a corrupted manifest is passed over
+    # A list of named sections (the envs) is read by name: the key says which env changed.
+    envs = [{"name": "arith", "n_test": 8}, {"name": "craft", "n_test": 8}]
+    write_tasks(store, config={"envs": envs}, inputs=["env-1"])
+    moved = [envs[0], {"name": "craft", "n_test": 9}]
+    next_run = Store(str(tmp_path))
+    later, _ = write_tasks(next_run, config={"envs": moved}, inputs=["env-1"])
+    assert rerun_reason(next_run, later).endswith("config differs in envs.craft.n_test")
     elsewhere, _ = write_tasks(store, config={"seed": 2}, inputs=["expert-2"])
     assert rerun_reason(store, elsewhere) is None  # new inputs say why by themselves
     many = {f"k{i}": i for i in range(7)}

@@ -22,12 +22,11 @@ import pytest
 import stages.expert
 import stages.tasks
 from flywheel.config import load_config
-from flywheel.store import ArtifactRef, Store
+from flywheel.store import ArtifactRef, Store, flatten_config
 from flywheel.tracking import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
     Tracker,
-    _flatten,
     headline,
     model_name,
 )
@@ -62,7 +61,7 @@ def check_stage_run(run, ref) -> None:
     assert run.data.tags["kind"] == ref.kind
     assert run.data.tags["round"] == str(ref.round)
     assert run.data.tags["inputs"] == ",".join(ref.inputs)
-    expected = {k: str(v) for k, v in _flatten(ref.manifest["config"]).items()}
+    expected = {k: str(v) for k, v in flatten_config(ref.manifest["config"]).items()}
     assert run.data.params == expected
     numeric = {
         k: float(v)

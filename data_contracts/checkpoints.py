@@ -3,7 +3,7 @@
 
 | column      | type   | meaning                                                          |
 |-------------|--------|------------------------------------------------------------------|
-| policy      | string | the stage that produced it: init, sft, dpo, grpo                 |
+| policy      | string | the stage that produced it: init, sft, dpo, grpo, rft, sft_more  |
 | round       | int32  | flywheel round (0 = bootstrap)                                   |
 | parent      | string | artifact id of the checkpoint it started from (empty for init)   |
 | base        | string | the base model folder, or ``embedded`` for the tiny policy        |

@@ -7,7 +7,7 @@
 | env            | string                            | env name                                         |
 | difficulty     | int32                             | the task's difficulty                            |
 | policy         | string                            | checkpoint artifact id evaluated                 |
-| policy_stage   | string                            | init, sft, dpo, grpo                             |
+| policy_stage   | string                            | init, sft, dpo, grpo, rft, sft_more              |
 | round          | int32                             | round of that checkpoint                         |
 | success        | bool                              | solved                                           |
 | reward         | double                            | final reward (0 when the episode never finished) |

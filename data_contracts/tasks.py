@@ -1,10 +1,10 @@
-"""Tasks: one row per generated task, train and test splits of every env.
+"""Tasks: one row per generated task, train, val and test splits of every env.
 
 | column     | type   | meaning                                                    |
 |------------|--------|------------------------------------------------------------|
 | task_id    | string | unique within the artifact, e.g. ``arith-test-000123``      |
 | env        | string | env name from the config                                   |
-| split      | string | ``train`` or ``test``                                      |
+| split      | string | ``train``, ``val`` or ``test``                             |
 | seed       | int64  | seed the generator used for this task                      |
 | difficulty | int32  | env-defined difficulty level (arith: number of operations) |
 | prompt     | string | the task text (the first observation)                      |

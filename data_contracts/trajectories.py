@@ -4,7 +4,7 @@
 |-----------------|----------------------------------------|------------------------------------------------------|
 | task_id         | string                                 | task the episode ran                                 |
 | env             | string                                 | env name                                             |
-| split           | string                                 | ``train`` or ``test``                                |
+| split           | string                                 | ``train``, ``val`` or ``test``                       |
 | round           | int32                                  | flywheel round that produced it (0 = bootstrap)      |
 | policy          | string                                 | checkpoint artifact id that acted; ``oracle`` for expert |
 | source          | string                                 | expert, explore, mcts, revision or import            |

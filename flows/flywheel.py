@@ -15,7 +15,6 @@ or, with ``make serve``, as deployments: ``prefect deployment run 'flywheel/defa
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,7 +40,7 @@ import stages.tasks
 from flywheel.config import BASELINES, Config, load_config
 from flywheel.html_report import write_html
 from flywheel.progress import say  # stdout once, and the flow run's logs in Prefect
-from flywheel.report import STATE_FILE, collect, format_table
+from flywheel.report import collect, format_table, write_state
 from flywheel.store import ArtifactRef, Store, rerun_reason
 from flywheel.tracking import Tracker
 
@@ -101,6 +100,9 @@ class Plan:
     stop_at: tuple[str, int] | None = None
     parent_run: str | None = None
     evaluations: list[str] = field(default_factory=list)
+    # Set by a whole run (flywheel_flow): its rounds, and the run's record (flywheel.json) is
+    # rewritten after each evaluation so `flywheel report` shows this run's rows as they come.
+    recorded_rounds: int | None = None
     repeat: bool = False  # a repeat of the last round (iteration.repeats): tracked apart
 
 
@@ -135,6 +137,8 @@ def _run(
         plan.tracker.log_stage(plan.store, ref, cached, repeat=plan.repeat)
         if name == "evaluate":
             plan.evaluations.append(ref.id)
+            if plan.recorded_rounds is not None:
+                write_state(plan.store, plan.recorded_rounds, plan.evaluations, finished=False)
     if plan.stop_at == (name, round) and last:
         raise StopAfter(result)
     return result
@@ -426,6 +430,8 @@ def _tracked(plan: Plan, name: str, rounds: int, with_baselines: bool = True) ->
     """Walk the DAG inside an MLflow run tree; afterwards ``plan.parent_run`` is its parent run
     (new, or the existing one when every artifact already had its run: see flywheel.tracking)."""
     check_run(plan.cfg, rounds, plan.stop_at)  # before any work, e.g. a splice that must fail
+    if plan.recorded_rounds is not None:  # a whole run: from now on a report shows its rows
+        write_state(plan.store, plan.recorded_rounds, [], finished=False)
     plan.tracker.begin(
         name,
         run=plan.cfg.run.name,
@@ -454,10 +460,9 @@ def flywheel_flow(
     """Bootstrap then ``rounds`` rounds (default: the config's run.rounds); prints the report."""
     plan = _plan(config, list(overrides or []), force_all=force)
     n = plan.cfg.run.rounds if rounds is None else rounds
+    plan.recorded_rounds = n
     _tracked(plan, f"{plan.cfg.run.name}", n)
-    state = {"run": plan.cfg.run.name, "rounds": n, "evaluations": plan.evaluations}
-    with plan.store.fs.open(f"{plan.store.base}/{STATE_FILE}", "w") as fh:
-        json.dump(state, fh, indent=2)
+    write_state(plan.store, n, plan.evaluations, finished=True)
     rows = collect(plan.store)
     print(format_table(rows))
     if rows:  # the HTML report of the run, next to the work folder's other outputs, and in MLflow

@@ -586,7 +586,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         _print_lineage(store.lineage(args.id))
         return 0
     if args.command == "report":
-        from flywheel.report import collect, format_table
+        from flywheel.report import collect, format_table, unfinished
 
         if args.html is not None:
             from flywheel.config import load_config
@@ -597,7 +597,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             out = Path(args.html or Path(cfg.run.work_dir) / "report" / cfg.run.name)
             print(write_html(Store(cfg.run.store_root(), cfg.run.name), out))
             return 0
-        rows = collect(_store(args.config, args.overrides))
+        store = _store(args.config, args.overrides)
+        rows = collect(store)
+        note = unfinished(store)
+        if note:  # on stderr, so `report --json` stays one JSON document
+            print(note, file=sys.stderr)
         print(json.dumps(rows, indent=2) if args.json else format_table(rows))
         return 0
     if args.command == "show":

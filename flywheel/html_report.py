@@ -62,7 +62,7 @@ from flywheel.html_plot import (
     value_ticks,
 )
 from flywheel.pareto import trajectory_ranks
-from flywheel.report import COLUMNS, _cell, collect, format_table, standard_error
+from flywheel.report import COLUMNS, _cell, collect, format_table, standard_error, unfinished
 from flywheel.store import ArtifactRef, Store
 from flywheel.trajectory import align_turn_ids
 
@@ -84,7 +84,7 @@ def write_html(store: Store, out: Path | str) -> Path:
     every = collect(store)
     if not any("success_rate" in r for r in every):
         raise ValueError("no evaluated policies yet (run `flywheel run`)")
-    _write_folder(out, _build(store, every))
+    _write_folder(out, _build(store, every, unfinished(store)))
     return out / "index.html"
 
 
@@ -632,8 +632,9 @@ def _evaluations_table(rows: list[dict[str, Any]]) -> str:
     return table([*COLUMNS, "eval artifact"], body, id="evaluations")
 
 
-def _build(store: Store, every: list[dict[str, Any]]) -> dict[str, str]:
-    """The pages by relative path; ``every`` is what ``flywheel report`` prints."""
+def _build(store: Store, every: list[dict[str, Any]], note: str | None = None) -> dict[str, str]:
+    """The pages by relative path; ``every`` is what ``flywheel report`` prints, ``note`` the
+    line that says the run has not finished (under the title)."""
     rows = [r for r in every if "success_rate" in r]
     data = _load(store, rows)
     envs = sorted({r["env"] for r in rows})
@@ -645,7 +646,8 @@ def _build(store: Store, every: list[dict[str, Any]]) -> dict[str, str]:
         f"<h1>{html.escape(title)}</h1><p>Run <b>{html.escape(store.run)}</b> in "
         f"{html.escape(store.root_url)}: {len(rows)} evaluations, rounds {rounds[0]} to "
         f"{rounds[-1]}, envs {html.escape(', '.join(envs))}.</p>"
-        '<h2 id="success">Held-out success per round</h2>'
+        + (f'<p class="note" id="unfinished">{html.escape(note)}</p>' if note else "")
+        + '<h2 id="success">Held-out success per round</h2>'
         + "".join(_success_plot(rows, env) for env in envs)
         + '<h2 id="evaluation-table">Evaluations: the numbers of <code>flywheel report</code></h2>'
         + _evaluations_table(rows)

@@ -1,7 +1,10 @@
 """Held-out metrics of every evaluated policy, side by side, with sampling error.
 
 ``collect`` reads the evaluations of the last ``flywheel run`` (recorded in ``flywheel.json``
-under the run's folder) or, when there is none, every eval artifact in the store.
+under the run's folder) or, when there is none, every eval artifact in the store. The run
+rewrites that file when it starts, after each evaluation and at its end (``write_state``), so a
+report taken while a long run is going shows that run's rows so far, and ``unfinished`` says so,
+never the rows of the run before it.
 
 Every success rate carries its binomial standard error ``sqrt(p (1 - p) / n)`` over the n test
 tasks. A round's gain over a reference policy (the round-0 SFT policy, and the better of the
@@ -122,12 +125,50 @@ def read_outcomes(store: Store, ref: ArtifactRef) -> dict[tuple[str, str], float
     }
 
 
+def read_state(store: Store) -> dict[str, Any] | None:
+    """The last ``flywheel run``'s record (``flywheel.json``), or None when no run wrote one."""
+    path = f"{store.base}/{STATE_FILE}"
+    if not store.fs.exists(path):
+        return None
+    with store.fs.open(path, "r") as fh:
+        try:
+            state = json.load(fh)
+        except json.JSONDecodeError as err:
+            raise ArtifactError(f"corrupted run record {path}: {err}") from None
+    if not isinstance(state, dict):
+        raise ArtifactError(f"corrupted run record {path}: not a JSON object")
+    return state
+
+
+def write_state(store: Store, rounds: int, evaluations: list[str], finished: bool) -> None:
+    """Record the run's evaluations so far; written whole and renamed into place, so a kill
+    mid-write leaves the previous record."""
+    path = f"{store.base}/{STATE_FILE}"
+    state = {"run": store.run, "rounds": rounds, "finished": finished, "evaluations": evaluations}
+    store.fs.makedirs(store.base, exist_ok=True)
+    with store.fs.open(f"{path}.part", "w") as fh:
+        json.dump(state, fh, indent=2)
+    store.fs.mv(f"{path}.part", path)
+
+
+def unfinished(store: Store) -> str | None:
+    """A one-line note when the last ``flywheel run`` has not reached its end (still running,
+    or killed: rerunning it resumes), else None. Records written before ``finished`` existed
+    were written at a run's end."""
+    state = read_state(store)
+    if state is None or state.get("finished", True):
+        return None
+    n = len(state.get("evaluations", []))
+    return (
+        f"note: the last `flywheel run` of {store.run} has not finished (still running, or "
+        f"stopped before its end: rerun it to resume); {n} of its evaluations so far"
+    )
+
+
 def collect(store: Store) -> list[dict[str, Any]]:
-    state_path = f"{store.base}/{STATE_FILE}"
-    if store.fs.exists(state_path):
-        with store.fs.open(state_path, "r") as fh:
-            ids = json.load(fh).get("evaluations", [])
-        refs = [store.get(i) for i in ids]
+    state = read_state(store)
+    if state is not None:
+        refs = [store.get(i) for i in state.get("evaluations", [])]
     else:
         refs = store.list(stage="evaluate")
     rows = []

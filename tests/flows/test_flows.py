@@ -307,3 +307,43 @@ def test_run_writes_the_html_report_of_its_evaluations(tiny_flywheel):
     for row in tiny_flywheel.report:
         assert row["eval_id"] in html, row["eval_id"]
     assert list((page.parent / "trajectories").glob("round-1-*-best.html"))
+
+
+def test_report_during_a_run_shows_that_runs_rows_so_far(
+    tiny_flywheel, tmp_path, monkeypatch, capsys
+):
+    """A run records its evaluations as they finish: one stopped in round 1 (here its explore
+    fails) leaves a report of its bootstrap's two rows with a note, not the previous run's rows;
+    rerunning it to its end clears the note."""
+    import stages.explore
+
+    shutil.copytree(tiny_flywheel.root / "store", tmp_path / "store")
+    overrides = tiny_overrides(tmp_path)
+    path = write_tiny_yaml(tmp_path)
+    store = Store(str(tmp_path / "store"), "tiny")
+    full = [a for _, s, _, a in tiny_flywheel.lines if s == "evaluate"]
+
+    def stopped(*args, **kwargs):
+        raise RuntimeError("explore stopped by the test")
+
+    monkeypatch.setattr(stages.explore, "run", stopped)
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        run_flywheel(overrides, rounds=1)
+    state = json.loads((Path(store.base) / "flywheel.json").read_text())
+    assert state["finished"] is False and state["evaluations"] == full[:2]
+    capsys.readouterr()
+    assert main(["report", "--json", "--config", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert [row["eval_id"] for row in json.loads(out)] == full[:2]
+    assert err.startswith("note: the last `flywheel run` of tiny has not finished")
+    assert err.rstrip().endswith("2 of its evaluations so far") and err.count("\n") == 1
+
+    monkeypatch.undo()
+    run_flywheel(overrides, rounds=1)  # every stage a cache hit
+    state = json.loads((Path(store.base) / "flywheel.json").read_text())
+    assert state["finished"] is True and state["evaluations"] == full
+    assert not list(Path(store.base).glob("flywheel.json.part"))
+    capsys.readouterr()
+    assert main(["report", "--config", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("round")

@@ -499,3 +499,17 @@ def test_the_line_of_rounds_takes_a_repeated_rounds_own_run():
         r(2, "sft", "e2a", repeats=mean), r(2, "sft", "e2b", repeats=mean), r(2, "rft", "eb"),
     ]  # fmt: skip
     assert [x["eval_id"] for x in _main_series(rows, "arith")] == ["e0", "e1", "e2a"]
+
+
+def test_a_run_that_has_not_finished_says_so_under_the_title(tmp_path):
+    from flywheel.report import write_state
+
+    store = build_store(tmp_path / "store")
+    ids = sorted(ref.id for ref in evals(store))
+    assert len(ids) > 2
+    write_state(store, 1, ids[:2], finished=False)
+    text = write_html(store, tmp_path / "out").read_text()
+    assert f'id="unfinished">note: the last `flywheel run` of {store.run} has not finished' in text
+    assert all(i in text for i in ids[:2]) and not any(i in text for i in ids[2:])
+    write_state(store, 1, ids, finished=True)
+    assert 'id="unfinished"' not in write_html(store, tmp_path / "out").read_text()

@@ -1,7 +1,9 @@
 """flywheel.report: binomial standard errors and the gains of the rounds over the SFT policy and
 the best baseline, worked by hand."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -343,3 +345,27 @@ def test_gains_over_repeated_baselines_carry_the_runs_spread():
     single = [dict(sft), dict(r1), dict(rft_a)]
     add_gains(single)
     assert "runs" not in single[1]["gain_over_baselines"] and "(runs" not in format_table(single)
+
+
+def test_run_record_is_written_whole_and_says_when_a_run_has_not_finished(tmp_path):
+    from flywheel.report import read_state, unfinished, write_state
+
+    store = Store(str(tmp_path / "store"), "study")
+    assert read_state(store) is None and unfinished(store) is None
+    write_state(store, 2, ["evaluate-a", "evaluate-b"], finished=False)
+    assert read_state(store) == {
+        "run": "study", "rounds": 2, "finished": False, "evaluations": ["evaluate-a", "evaluate-b"],
+    }  # fmt: skip
+    note = unfinished(store)
+    assert note is not None and "\n" not in note
+    assert note.startswith("note: the last `flywheel run` of study has not finished")
+    assert note.endswith("2 of its evaluations so far")
+    write_state(store, 2, ["evaluate-a", "evaluate-b", "evaluate-c"], finished=True)
+    assert unfinished(store) is None
+    assert [p.name for p in Path(store.base).iterdir()] == ["flywheel.json"]  # no .part left
+    # a record from before `finished` existed was written at a run's end
+    (Path(store.base) / "flywheel.json").write_text(json.dumps({"evaluations": []}))
+    assert unfinished(store) is None
+    (Path(store.base) / "flywheel.json").write_text('{"evaluations": [')
+    with pytest.raises(ArtifactError, match=r"^corrupted run record .*flywheel.json: "):
+        read_state(store)

@@ -82,9 +82,12 @@ def write_html(store: Store, out: Path | str) -> Path:
     out = Path(out).absolute()
     _check_target(out)
     every = collect(store)
+    note = unfinished(store)
     if not any("success_rate" in r for r in every):
+        if note:
+            raise ValueError(f"no evaluated policies yet: {note.removeprefix('note: ')}")
         raise ValueError("no evaluated policies yet (run `flywheel run`)")
-    _write_folder(out, _build(store, every, unfinished(store)))
+    _write_folder(out, _build(store, every, note))
     return out / "index.html"
 
 

@@ -513,3 +513,7 @@ def test_a_run_that_has_not_finished_says_so_under_the_title(tmp_path):
     assert all(i in text for i in ids[:2]) and not any(i in text for i in ids[2:])
     write_state(store, 1, ids, finished=True)
     assert 'id="unfinished"' not in write_html(store, tmp_path / "out").read_text()
+    write_state(store, 1, [], finished=False)  # a run that has not reached its first evaluation
+    with pytest.raises(ValueError, match=r"^no evaluated policies yet: the last `flywheel run` of"):
+        write_html(store, tmp_path / "empty")
+    assert not (tmp_path / "empty").exists()

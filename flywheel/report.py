@@ -7,7 +7,8 @@ report taken while a long run is going shows that run's rows so far, and ``unfin
 never the rows of the run before it.
 
 Every success rate carries its binomial standard error ``sqrt(p (1 - p) / n)`` over the n test
-tasks. A round's gain over a reference policy (the round-0 SFT policy, and the better of the
+tasks; a recovery rate carries it over the episodes it counts (``failed_episodes``: those with
+an invalid or failed action), as ``recovery_se``. A round's gain over a reference policy (the round-0 SFT policy, and the better of the
 baselines) is called significant when it exceeds two standard errors of the difference, and a
 round more than two standard errors below its reference is marked as well (``"below": true``).
 
@@ -199,6 +200,10 @@ def collect(store: Store) -> list[dict[str, Any]]:
                 row["seed"] = seed
             if "success_rate" in row:
                 row["success_se"] = standard_error(row["success_rate"], row["n_tasks"])
+            if "recovery_rate" in row and row.get("failed_episodes"):
+                # its n is the episodes that had an invalid or failed action, not the tasks
+                failed = int(row["failed_episodes"])
+                row["recovery_se"] = standard_error(row["recovery_rate"], failed)
             rows.append(row)
     _seed_repeated_rounds(store, rows)
     add_gains(rows, outcomes)
@@ -357,6 +362,8 @@ def _cell(row: dict[str, Any], col: str) -> str:
         if "success_rate" not in row:
             return ""
         return f"{100 * row['success_rate']:.1f}% ± {100 * row['success_se']:.1f}"
+    if col == "recovery_rate" and "recovery_se" in row:
+        return f"{100 * row['recovery_rate']:.1f}% ± {100 * row['recovery_se']:.1f}"
     if col == "policy" and "seed" in row:
         return f"{row['policy']} (seed {row['seed']})"
     value = row.get(col, "")
@@ -372,6 +379,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     out.append("(success: held-out success rate ± its binomial standard error)")
+    if "recovery_rate" in header:
+        out.append(
+            "(recovery_rate: of the held-out episodes with an invalid or failed action, the share "
+            "that still succeeded ± its binomial standard error over those episodes)"
+        )
     gains = [
         _gain_line(row) for row in rows if "gain_over_sft" in row or "gain_over_baselines" in row
     ]

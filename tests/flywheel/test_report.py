@@ -11,6 +11,7 @@ import flywheel.store
 from flywheel.cli import main
 from flywheel.report import (
     add_gains,
+    collect,
     compare,
     format_table,
     lineage_hosts,
@@ -369,3 +370,28 @@ def test_run_record_is_written_whole_and_says_when_a_run_has_not_finished(tmp_pa
     (Path(store.base) / "flywheel.json").write_text('{"evaluations": [')
     with pytest.raises(ArtifactError, match=r"^corrupted run record .*flywheel.json: "):
         read_state(store)
+
+
+def test_recovery_rate_carries_its_error_over_the_episodes_it_counts(tmp_path):
+    """recovery_rate's n is the held-out episodes with an invalid or failed action
+    (``failed_episodes``), not the test tasks: 100 of 400 is 25.0% ± 2.2."""
+    from tests.flywheel.test_html_report import _put
+
+    store = Store(str(tmp_path / "store"), "study")
+    sft = _checkpoint(store, "sft", 0, [])
+    plain = _evaluate(store, sft, 0)
+    rnd = _checkpoint(store, "dpo", 1, [sft.id])
+    summary = {k: v for k, v in plain.summary.items() if k.startswith("arith/")}
+    summary.update({"arith/recovery_rate": 0.25, "arith/failed_episodes": 400.0})
+    rows = [{**r, "policy": rnd.id, "policy_stage": "dpo", "round": 1}
+            for r in store.read(plain).to_pylist() if r["env"] == "arith"]  # fmt: skip
+    extra = {"policy": rnd.id, "policy_stage": "dpo"}
+    _put(store, "eval", "evaluate", 1, rows, [rnd.id], summary=summary, extra=extra)
+    found = {(r["round"], r["env"]): r for r in collect(store)}
+    assert found[(1, "arith")]["recovery_se"] == pytest.approx(math.sqrt(0.25 * 0.75 / 400))
+    assert "recovery_se" not in found[(0, "arith")]
+    text = format_table(collect(store))
+    header, *lines = text.splitlines()
+    assert header.split()[-1] == "recovery_rate"
+    assert any(line.startswith("    1") and line.endswith("25.0% ± 2.2") for line in lines), text
+    assert "(recovery_rate: of the held-out episodes with an invalid or failed action" in text

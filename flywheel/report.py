@@ -485,8 +485,9 @@ def compare(store: Store, a_id: str, *b_ids: str, by_difficulty: bool = False) -
     measured against the baseline's mean rather than one draw of it. An id written ``RUN:ID``
     is read from run RUN's store (same root): two runs are paired only where their test tasks
     are the same, which is checked task by task (the first observation; the suite's instruction
-    may differ). With ``by_difficulty`` each env's line is followed by one per difficulty level
-    (A's record of it), paired over that level's tasks: where a gain comes from."""
+    may differ). Where every evaluation reports a recovery rate, a line under the env's gives
+    them (unpaired). With ``by_difficulty`` each env's lines are followed by one per difficulty
+    level (A's record of it), paired over that level's tasks: where a gain comes from."""
     if not b_ids:
         raise ValueError("compare needs at least one eval artifact after the first")
     names = (a_id, *b_ids)
@@ -502,6 +503,9 @@ def compare(store: Store, a_id: str, *b_ids: str, by_difficulty: bool = False) -
         if not keys:
             raise ValueError(f"{a_id} and {', '.join(b_ids)} ran no task of env {env!r} in common")
         lines.append(f"  {env:<8} " + _compare_cells(keys, a, bs))
+        recovery = _recovery_cells(env, [ref for _, ref in found])
+        if recovery:
+            lines.append(f"    recovery     {recovery}")
         if by_difficulty:
             # Levels in order; tasks without one (an env that records none) last.
             for level in sorted({levels[k] for k in keys}, key=lambda x: (x is None, x or 0)):
@@ -532,6 +536,34 @@ def _compare_cells(
     return (
         f"{len(keys):>5} tasks   A {100 * ra:5.1f}%   B {100 * rb:5.1f}%   "
         f"A - B {100 * gain:+5.1f} ± {100 * se:.1f}{mark}{each}"
+    )
+
+
+def _recovery_cells(env: str, refs: list[ArtifactRef]) -> str | None:
+    """A's and B's recovery rate in ``env`` (B averaged over its evaluations) and A - B, when
+    every evaluation reports one. Unpaired: each rate is over the policy's own episodes with an
+    invalid or failed action, which are other episodes for each policy."""
+    rates, ses, counts = [], [], []
+    for ref in refs:
+        rate, failed = (
+            ref.summary.get(f"{env}/recovery_rate"),
+            ref.summary.get(f"{env}/failed_episodes"),
+        )
+        if rate is None or not failed:
+            return None
+        rates.append(rate)
+        counts.append(int(failed))
+        ses.append(standard_error(rate, int(failed)))
+    ra, sa = rates[0], ses[0]
+    rb = sum(rates[1:]) / len(rates[1:])
+    sb = math.sqrt(sum(x * x for x in ses[1:])) / len(ses[1:])
+    gain, se = ra - rb, math.sqrt(sa * sa + sb * sb)
+    mark = "*" if gain > 2 * se else "!" if gain < -2 * se else " "
+    return (
+        f"A {100 * ra:.1f}% ± {100 * sa:.1f} of {counts[0]}   "
+        f"B {100 * rb:.1f}% ± {100 * sb:.1f} of {', '.join(map(str, counts[1:]))}   "
+        f"A - B {100 * gain:+.1f} ± {100 * se:.1f}{mark} "
+        "(unpaired; of N: the episodes with an invalid or failed action)"
     )
 
 

@@ -386,7 +386,7 @@ def test_recovery_rate_carries_its_error_over_the_episodes_it_counts(tmp_path):
     rows = [{**r, "policy": rnd.id, "policy_stage": "dpo", "round": 1}
             for r in store.read(plain).to_pylist() if r["env"] == "arith"]  # fmt: skip
     extra = {"policy": rnd.id, "policy_stage": "dpo"}
-    _put(store, "eval", "evaluate", 1, rows, [rnd.id], summary=summary, extra=extra)
+    with_recovery = _put(store, "eval", "evaluate", 1, rows, [rnd.id], summary=summary, extra=extra)
     found = {(r["round"], r["env"]): r for r in collect(store)}
     assert found[(1, "arith")]["recovery_se"] == pytest.approx(math.sqrt(0.25 * 0.75 / 400))
     assert "recovery_se" not in found[(0, "arith")]
@@ -395,3 +395,16 @@ def test_recovery_rate_carries_its_error_over_the_episodes_it_counts(tmp_path):
     assert header.split()[-1] == "recovery_rate"
     assert any(line.startswith("    1") and line.endswith("25.0% ± 2.2") for line in lines), text
     assert "(recovery_rate: of the held-out episodes with an invalid or failed action" in text
+    # compare: a recovery line only where every side reports one; B's rate is over its own
+    # failed episodes (unpaired): 25.0% ± 2.2 of 400 against 10.0% ± 1.5 of 400
+    bare = {k: v for k, v in summary.items() if "recovery" not in k and "failed" not in k}
+    without = _put(store, "eval", "evaluate", 1, rows, [rnd.id], summary=bare, extra=extra)
+    assert "recovery" not in compare(store, with_recovery.id, without.id)
+    summary.update({"arith/recovery_rate": 0.10})
+    other = _put(store, "eval", "evaluate", 1, rows, [rnd.id], summary=summary, extra=extra)
+    lines = compare(store, with_recovery.id, other.id).splitlines()
+    se = 100 * math.sqrt(0.25 * 0.75 / 400 + 0.1 * 0.9 / 400)
+    assert lines[2] == (
+        f"    recovery     A 25.0% ± 2.2 of 400   B 10.0% ± 1.5 of 400   A - B +15.0 ± {se:.1f}* "
+        "(unpaired; of N: the episodes with an invalid or failed action)"
+    )

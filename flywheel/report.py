@@ -8,9 +8,10 @@ never the rows of the run before it.
 
 Every success rate carries its binomial standard error ``sqrt(p (1 - p) / n)`` over the n test
 tasks; a recovery rate carries it over the episodes it counts (``failed_episodes``: those with
-an invalid or failed action), as ``recovery_se``. A round's gain over a reference policy (the round-0 SFT policy, and the better of the
-baselines) is called significant when it exceeds two standard errors of the difference, and a
-round more than two standard errors below its reference is marked as well (``"below": true``).
+an invalid or failed action), as ``recovery_se``. A round's gain over a reference policy (the
+round-0 SFT policy, and the better of the baselines) is called significant when it exceeds two
+standard errors of the difference, and a round more than two standard errors below its
+reference is marked as well (``"below": true``).
 
 Both policies ran the same test tasks, so the difference is measured task by task: with
 ``d_i = success_a(i) - success_b(i)`` in {-1, 0, 1}, its standard error is the paired one,

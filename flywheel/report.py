@@ -546,18 +546,16 @@ def _recovery_cells(env: str, refs: list[ArtifactRef]) -> str | None:
     invalid or failed action, which are other episodes for each policy."""
     rates, ses, counts = [], [], []
     for ref in refs:
-        rate, failed = (
-            ref.summary.get(f"{env}/recovery_rate"),
-            ref.summary.get(f"{env}/failed_episodes"),
-        )
+        rate = ref.summary.get(f"{env}/recovery_rate")
+        failed = int(ref.summary.get(f"{env}/failed_episodes") or 0)
         if rate is None or not failed:
             return None
         rates.append(rate)
-        counts.append(int(failed))
-        ses.append(standard_error(rate, int(failed)))
-    ra, sa = rates[0], ses[0]
-    rb = sum(rates[1:]) / len(rates[1:])
-    sb = math.sqrt(sum(x * x for x in ses[1:])) / len(ses[1:])
+        counts.append(failed)
+        ses.append(standard_error(rate, failed))
+    (ra, *rest), (sa, *rest_se) = rates, ses
+    rb = sum(rest) / len(rest)
+    sb = math.sqrt(sum(x * x for x in rest_se)) / len(rest_se)
     gain, se = ra - rb, math.sqrt(sa * sa + sb * sb)
     mark = "*" if gain > 2 * se else "!" if gain < -2 * se else " "
     return (

@@ -462,6 +462,19 @@ def _store(config: str | None, overrides: list[str]):
     return Store(cfg.run.store_root(), cfg.run.name)
 
 
+def _took(manifest: dict) -> str:
+    """``  took 1:04:21`` for ``artifacts ls``; ``(resumed)`` when an interrupted run's shards or
+    train state were taken over, whose time is not counted. Manifests written before stages
+    were timed have no ``seconds``: nothing."""
+    if "seconds" not in manifest:
+        return ""
+    from flywheel.progress import duration
+
+    return f"  took {duration(manifest['seconds'])}" + (
+        " (resumed)" if manifest.get("resumed") else ""
+    )
+
+
 def _print_lineage(node: dict, depth: int = 0) -> None:
     metrics = ", ".join(
         f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
@@ -571,7 +584,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             refs, problems = store.scan(round=args.round, stage=args.stage)
             for ref in refs:
                 print(
-                    f"round {ref.round}  {ref.stage:<9} {ref.kind:<12} {ref.id:<28} rows={ref.manifest.get('rows')}  {ref.manifest.get('created')}"
+                    f"round {ref.round}  {ref.stage:<9} {ref.kind:<12} {ref.id:<28} rows={ref.manifest.get('rows')}  {ref.manifest.get('created')}{_took(ref.manifest)}"
                 )
             failed = bool(problems) and not refs
             for problem in problems:

@@ -84,7 +84,8 @@ def _write(stream: TextIO | None, text: str) -> None:
     out.flush()
 
 
-def _clock(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``0:07``, ``12:05``, ``1:04:21``: minutes and seconds, hours when there are any."""
     seconds = int(round(seconds))
     h, rest = divmod(seconds, 3600)
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
@@ -192,9 +193,9 @@ class Progress:
         """``ETA 0:11`` while working (``ETA ?`` before the first unit), ``took 1:05`` when done."""
         elapsed = max(self.clock() - self.t0, 1e-9)
         if self.done >= self.total:
-            return f"took {_clock(elapsed)}"
+            return f"took {duration(elapsed)}"
         rate = (self.done - self.start) / elapsed
-        return f"ETA {_clock((self.total - self.done) / rate)}" if rate > 0 else "ETA ?"
+        return f"ETA {duration((self.total - self.done) / rate)}" if rate > 0 else "ETA ?"
 
     def _draw(self, now: float) -> None:
         width = shutil.get_terminal_size((100, 20)).columns - 1

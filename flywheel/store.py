@@ -26,6 +26,11 @@ is no artifact: readers skip it, ``scan`` reports it, and the next commit of tha
 it. A corrupted manifest is an error for every reader; ``writer(..., force=True)`` replaces
 the artifact in place.
 
+How long a stage took is in its manifest: ``started`` (when its writer was opened, UTC),
+``seconds`` (from then to the commit, in the process that committed it) and ``resumed`` (true when
+that process took over finished shards or a train state an earlier, interrupted run left in the
+``.tmp-<id>`` folder: the earlier run's time is then not counted).
+
 The root is a local path or any fsspec URL (``s3://``, ``gs://``, ``memory://``).
 
     store = Store("work/store", run="default")
@@ -51,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -470,8 +476,14 @@ class ArtifactWriter:
         self.tmp_dir = f"{stage_dir}/.tmp-{art_id}"
         self._local_tmp: Path | None = None
         self._rows: dict[int, int] = {}  # finished shards known to belong here -> rows
+        # The stage's clock (module docstring): it starts when the stage opens its writer.
+        self._started = datetime.now(UTC)
+        self._t0 = time.monotonic()
+        self._resumed = False
         if cached is None:
-            store.fs.makedirs(self.tmp_dir, exist_ok=True)
+            fs = store.fs
+            self._resumed = fs.isdir(self.tmp_dir) and bool(fs.ls(self.tmp_dir, detail=False))
+            fs.makedirs(self.tmp_dir, exist_ok=True)
 
     @property
     def ref(self) -> ArtifactRef:
@@ -589,6 +601,9 @@ class ArtifactWriter:
             "code_version": code_version(),
             "host": host_info(),
             "created": datetime.now(UTC).isoformat(timespec="microseconds"),
+            "started": self._started.isoformat(timespec="microseconds"),
+            "seconds": round(time.monotonic() - self._t0, 1),
+            "resumed": self._resumed,
             "summary": summary or {},
             **(extra or {}),
         }

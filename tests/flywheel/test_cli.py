@@ -16,6 +16,7 @@ import stages.expert
 import stages.tasks
 from flywheel.cli import main
 from flywheel.config import field_help, load_config
+from flywheel.progress import duration
 from flywheel.report import STATE_FILE
 from flywheel.store import Store
 from tests.conftest import tiny_overrides, write_tiny_yaml
@@ -263,6 +264,9 @@ def test_artifacts_ls_show_lineage(small_store, capsys):
     assert "rows=24" in by_id[tasks.id] and "rows=8" in by_id[test.id]
     assert by_id[expert.id].split()[:4] == ["round", "0", "expert", "trajectories"]
     assert "rows=32" in by_id[expert.id]  # 24 train demonstrations + 8 val
+    # Each line ends with how long its stage took (the manifest's ``seconds``, as m:ss).
+    took = f"took {duration(expert.manifest['seconds'])}"
+    assert by_id[expert.id].endswith(took)
     rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--stage", "expert")
     assert rc == 0 and out.splitlines() == [by_id[expert.id]]
     rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--round", "1")
@@ -323,3 +327,11 @@ def test_config_fields_and_dump(tmp_path, capsys):
     assert rc == 0
     dumped = load_config(None).model_validate(yaml.safe_load(out))
     assert dumped.sft.lr == 0.5 and dumped.envs[0].n_train == 24
+
+
+def test_artifacts_ls_says_a_stage_resumed_and_that_old_manifests_were_not_timed():
+    from flywheel.cli import _took
+
+    assert _took({"seconds": 3861.8, "resumed": True}) == "  took 1:04:22 (resumed)"
+    assert _took({"seconds": 7.0, "resumed": False}) == "  took 0:07"
+    assert _took({"created": "2026-11-28T10:00:00"}) == ""

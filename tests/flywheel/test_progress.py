@@ -15,7 +15,7 @@ import time
 import pytest
 
 from flywheel import progress
-from flywheel.progress import Progress, say
+from flywheel.progress import Progress, duration, say
 
 
 class FakeClock:
@@ -208,3 +208,12 @@ def test_lines_reach_the_flow_run_logs_and_the_console_once(capfd):
         assert str(by_message[line].task_run_id) == task_run_id
     assert all(log.level == 20 for log in logs)
     assert not re.search(r"\r|\x1b", "".join(log.message for log in logs))
+
+
+def test_duration_shows_hours_only_when_there_are_any():
+    assert [duration(s) for s in (7, 725, 3861.8, 36000)] == [
+        "0:07",
+        "12:05",
+        "1:04:22",
+        "10:00:00",
+    ]

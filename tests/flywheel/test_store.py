@@ -222,6 +222,30 @@ def test_unfinished_writer_is_invisible_and_resumes(tmp_path):
     assert store.read(ref).num_rows == 5
 
 
+def test_manifest_times_the_stage_and_says_when_it_resumed(tmp_path, monkeypatch):
+    # time.monotonic at each writer's opening (the cache hit's last) and at each commit
+    clock = iter([100.0, 104.25, 150.0, 200.0, 230.0, 300.0])
+    monkeypatch.setattr("flywheel.store.time.monotonic", lambda: next(clock))
+    store = Store(str(tmp_path))
+    w = store.writer("tasks", stage="tasks", round=0, config={"k": 1}, inputs=[])
+    w.write_shard(0, task_rows(3))
+    m = w.commit().manifest
+    assert (m["seconds"], m["resumed"]) == (4.2, False)  # 4.25 s to one decimal
+    assert m["started"] <= m["created"]
+    # An interrupted run leaves a finished shard; the run that takes it over says so, and
+    # counts only its own time.
+    crashed = store.writer("tasks", stage="tasks", round=0, config={"k": 2}, inputs=[])
+    crashed.write_shard(0, task_rows(3))
+    w2 = store.writer("tasks", stage="tasks", round=0, config={"k": 2}, inputs=[])
+    w2.write_shard(1, task_rows(2, split="test"))
+    m2 = w2.commit().manifest
+    assert (m2["seconds"], m2["resumed"]) == (30.0, True)
+    # A cache hit keeps the manifest it had.
+    assert (
+        store.writer("tasks", stage="tasks", round=0, config={"k": 1}, inputs=[]).ref.manifest == m
+    )
+
+
 def test_partial_shard_file_is_not_a_finished_shard(tmp_path):
     store = Store(str(tmp_path))
     w = store.writer("tasks", stage="tasks", round=0, config={}, inputs=[])

@@ -55,7 +55,8 @@ def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 def check_stage_run(run, ref) -> None:
-    """A stage run's tags, params and metrics are the artifact's id, config and summary."""
+    """A stage run's tags, params and metrics are the artifact's id, config and summary, and the
+    stage's time."""
     assert run.info.run_name == ref.stage
     assert run.data.tags["artifact_id"] == ref.id
     assert run.data.tags["kind"] == ref.kind
@@ -69,6 +70,7 @@ def check_stage_run(run, ref) -> None:
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     assert numeric, f"{ref.id} has no numeric summary"
+    numeric["stage_seconds"] = ref.manifest["seconds"]  # how long the stage took (its manifest)
     metrics = {k: v for k, v in run.data.metrics.items() if not k.startswith("train/")}
     assert metrics == pytest.approx(numeric, nan_ok=True)
     assert run.info.status == "FINISHED"
@@ -262,7 +264,12 @@ def test_a_search_stage_run_carries_its_tree_metrics_and_its_picture(tmp_path):
         "craft/max_depth_mean": 3.25,
         "craft/success_share": 0.5,
     }
-    manifest = {"config": {"n_gen": 4}, "summary": summary, "inputs": ["sft-bbb", "tasks-x"]}
+    manifest = {
+        "config": {"n_gen": 4},
+        "summary": summary,
+        "inputs": ["sft-bbb", "tasks-x"],
+        "seconds": 12.5,
+    }
     ref = ArtifactRef("mcts-abc", "trees", "mcts", 1, str(folder), manifest)
     tracker = Tracker(uri, EXPERIMENT)
     tracker.begin("unit", run="unit", rounds=1, params={})

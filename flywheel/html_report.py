@@ -17,7 +17,9 @@ system or from any web server.
   selected groups' trajectories ringed;
 - the best, the worst and the revised (``source == "revision"``) trajectories of each round
   and env, one page each: roles, message contents, loss flags, actions, tokens and rewards;
-- the evaluation table with the cells of ``flywheel report``, and its text verbatim.
+- the evaluation table with the cells of ``flywheel report``, and its text verbatim;
+- where the time went: seconds per round and stage, from the manifests (``started``,
+  ``seconds``, ``resumed``: flywheel/store.py) of the evaluations' lineage.
 
 Which evaluations: those of ``flywheel.report.collect``; the explore, pareto and revision
 artifacts are found through their lineage. Every number shown is read from those artifacts.
@@ -62,6 +64,7 @@ from flywheel.html_plot import (
     value_ticks,
 )
 from flywheel.pareto import trajectory_ranks
+from flywheel.progress import duration
 from flywheel.report import COLUMNS, _cell, collect, format_table, standard_error, unfinished
 from flywheel.store import ArtifactRef, Store
 from flywheel.trajectory import align_turn_ids
@@ -102,6 +105,7 @@ class Data:
     revised: dict[int, pl.DataFrame]  # round -> its rows with source == "revision"
     groups: ArtifactRef | None  # the last round's GRPO groups (pareto stage)
     selected: pl.DataFrame  # env, task_id, sample_idx of the groups' trajectories
+    lineage: list[ArtifactRef]  # the evaluations and everything they were made from
 
 
 def _frame(store: Store, ref: ArtifactRef, columns: list[str] | None = None) -> pl.DataFrame:
@@ -150,7 +154,7 @@ def _load(store: Store, rows: list[dict[str, Any]]) -> Data:
         groups = _newest(r for r in candidates if r.kind == "groups" and last.id in r.inputs)
         if groups is not None:
             selected = _frame(store, groups, list(keys))
-    return Data(rows, difficulty, explore, revised, groups, selected)
+    return Data(rows, difficulty, explore, revised, groups, selected, known)
 
 
 # -- the plots -----------------------------------------------------------------------------------
@@ -621,6 +625,50 @@ def _trajectories_section(data: Data) -> tuple[str, dict[str, str]]:
     return note + table(header, body, id="trajectory-links"), pages
 
 
+def _time_section(lineage: list[ArtifactRef]) -> str:
+    """Seconds per round and stage, summed over the stage's artifacts in the evaluations'
+    lineage, in the order the stages ran (their first artifact's ``started``)."""
+    groups: dict[tuple[int, str], list[ArtifactRef]] = {}
+    for ref in lineage:
+        groups.setdefault((ref.round, ref.stage), []).append(ref)
+    if not any("seconds" in r.manifest for r in lineage):
+        return (
+            "<p>None of these artifacts recorded its time (written before stages were timed).</p>"
+        )
+    total = sum(r.manifest.get("seconds", 0.0) for r in lineage)
+
+    def first(key: tuple[int, str]) -> tuple[int, str]:
+        refs = groups[key]
+        return key[0], min(r.manifest.get("started", r.manifest.get("created", "")) for r in refs)
+
+    body = []
+    for key in sorted(groups, key=first):
+        refs = groups[key]
+        timed = [r.manifest["seconds"] for r in refs if "seconds" in r.manifest]
+        spent = sum(timed)
+        text = duration(spent) if timed else "not timed"
+        if len(timed) < len(refs) and timed:
+            text += f" + {len(refs) - len(timed)} not timed"
+        if any(r.manifest.get("resumed") for r in refs):
+            text += " (resumed)"
+        share = spent / total if total else 0.0
+        body.append(
+            [
+                (key[0], key[0]),
+                (key[1], None),
+                (len(refs), len(refs)),
+                (text, spent),
+                (f"{100 * share:.0f}%", share),
+            ]
+        )
+    note = (
+        f"<p>{duration(total)} in all: each artifact's own time, from its stage opening it to its "
+        "commit (a cache hit counts the time of the run that wrote it). Resumed: a run took over "
+        "the shards or train state of an interrupted one, whose time is not counted.</p>"
+    )
+    return note + table(["round", "stage", "artifacts", "time", "share"], body, id="stage-times")
+
+
 # -- assembling and writing ----------------------------------------------------------------------
 
 
@@ -664,6 +712,8 @@ def _build(store: Store, every: list[dict[str, Any]], note: str | None = None) -
         + _pareto_section(data)
         + '<h2 id="trajectories">Trajectories</h2>'
         + trajectories
+        + '<h2 id="time">Where the time went</h2>'
+        + _time_section(data.lineage)
     )
     return {"index.html": page(title, body), **pages}
 

@@ -18,11 +18,11 @@ import polars as pl
 import pytest
 
 from flywheel.cli import main
-from flywheel.html_report import write_html
+from flywheel.html_report import _time_section, write_html
 from flywheel.metrics import flatten, summarize
 from flywheel.pareto import trajectory_ranks
 from flywheel.report import COLUMNS, _cell, collect, format_table
-from flywheel.store import Store
+from flywheel.store import ArtifactRef, Store
 from tests.conftest import write_tiny_yaml
 
 ENVS = ("arith", "toy")
@@ -294,6 +294,42 @@ def test_success_per_difficulty_equals_the_eval_summaries(report):
             key = f"{env}/success_rate_d{bar.attrs['data-difficulty']}"
             assert float(bar.attrs["data-success"]) == pytest.approx(summary[key])
             assert int(bar.attrs["data-n"]) == N_TEST // 3
+
+
+def test_stage_times_add_up_the_manifests_of_the_evaluations_lineage(report):
+    lineage = report.store.ancestors(r["eval_id"] for r in collect(report.store))
+    want = Counter((r.round, r.stage) for r in lineage)
+    seconds: Counter = Counter()
+    for r in lineage:
+        seconds[(r.round, r.stage)] += r.manifest["seconds"]
+    rows = rows_of(report.page.by_id("stage-times"))
+    got = {(int(c[0].content()), c[1].content()): c for c in rows}
+    assert set(got) == set(want) and len(rows) == len(want)  # one row per round and stage
+    assert [int(c[0].content()) for c in rows] == sorted(int(c[0].content()) for c in rows)
+    for key, cells in got.items():
+        assert int(cells[2].content()) == want[key]
+        assert float(cells[3].attrs["data-value"]) == pytest.approx(seconds[key])
+    shares = [float(c[4].attrs["data-value"]) for c in rows]
+    assert sum(shares) == pytest.approx(1.0)
+
+
+def test_stage_times_say_what_was_resumed_or_not_timed():
+    def ref(art_id, stage, **manifest):
+        return ArtifactRef(art_id, "eval", stage, 1, "", {"created": art_id, **manifest})
+
+    lineage = [
+        ref("a", "explore", started="1", seconds=60.0, resumed=True),
+        ref("b", "explore"),  # written before stages were timed
+        ref("c", "evaluate", started="2", seconds=20.0, resumed=False),
+    ]
+    tree = _Tree()
+    tree.feed(_time_section(lineage))
+    rows = rows_of(tree.root.by_id("stage-times"))
+    assert [[c.content() for c in row] for row in rows] == [
+        ["1", "explore", "2", "1:00 + 1 not timed (resumed)", "75%"],
+        ["1", "evaluate", "1", "0:20", "25%"],
+    ]
+    assert "none of these" in _time_section(lineage[1:2]).lower()
 
 
 def test_explore_histograms_count_every_episode(report):

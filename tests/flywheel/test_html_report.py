@@ -306,11 +306,12 @@ def test_stage_times_add_up_the_manifests_of_the_evaluations_lineage(report):
     got = {(int(c[0].content()), c[1].content()): c for c in rows}
     assert set(got) == set(want) and len(rows) == len(want)  # one row per round and stage
     assert [int(c[0].content()) for c in rows] == sorted(int(c[0].content()) for c in rows)
+    total = sum(seconds.values())  # 0.0 where every stage of this small store took < 0.05 s
     for key, cells in got.items():
         assert int(cells[2].content()) == want[key]
         assert float(cells[3].attrs["data-value"]) == pytest.approx(seconds[key])
-    shares = [float(c[4].attrs["data-value"]) for c in rows]
-    assert sum(shares) == pytest.approx(1.0)
+        share = seconds[key] / total if total else 0.0
+        assert float(cells[4].attrs["data-value"]) == pytest.approx(share)
 
 
 def test_stage_times_say_what_was_resumed_or_not_timed():

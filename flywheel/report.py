@@ -518,6 +518,11 @@ def compare(store: Store, a_id: str, *b_ids: str, by_difficulty: bool = False) -
     return "\n".join(lines)
 
 
+def _mark(gain: float, se: float) -> str:
+    """``*`` beyond two standard errors above, ``!`` beyond two below, else a space."""
+    return "*" if gain > 2 * se else "!" if gain < -2 * se else " "
+
+
 def _compare_cells(
     keys: list[tuple[str, str]],
     a: dict[tuple[str, str], float],
@@ -529,7 +534,7 @@ def _compare_cells(
     xb = [sum(b[k] for b in bs) / len(bs) for k in keys]
     ra, rb = sum(xa) / len(keys), sum(xb) / len(keys)
     gain, se = ra - rb, paired_standard_error(xa, xb)
-    mark = "*" if gain > 2 * se else "!" if gain < -2 * se else " "
+    mark = _mark(gain, se)
     each = ""
     if len(bs) > 1:
         rates = (sum(b[k] for k in keys) / len(keys) for b in bs)
@@ -557,7 +562,7 @@ def _recovery_cells(env: str, refs: list[ArtifactRef]) -> str | None:
     rb = sum(rest) / len(rest)
     sb = math.sqrt(sum(x * x for x in rest_se)) / len(rest_se)
     gain, se = ra - rb, math.sqrt(sa * sa + sb * sb)
-    mark = "*" if gain > 2 * se else "!" if gain < -2 * se else " "
+    mark = _mark(gain, se)
     return (
         f"A {100 * ra:.1f}% ± {100 * sa:.1f} of {counts[0]}   "
         f"B {100 * rb:.1f}% ± {100 * sb:.1f} of {', '.join(map(str, counts[1:]))}   "

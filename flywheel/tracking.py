@@ -397,9 +397,9 @@ class Tracker:
             },
         )
         self.log_params(run_id, ref.manifest.get("config", {}))
-        self.log_metrics(run_id, ref.summary, step=ref.round)
-        if "seconds" in ref.manifest:  # the stage's own time (flywheel/store.py), not MLflow's
-            self.log_metrics(run_id, {"stage_seconds": ref.manifest["seconds"]}, step=ref.round)
+        # the summary and the stage's own time (flywheel/store.py; not MLflow's), in one batch
+        timed = {"stage_seconds": ref.manifest["seconds"]} if "seconds" in ref.manifest else {}
+        self.log_metrics(run_id, {**ref.summary, **timed}, step=ref.round)
         if ref.kind == "eval" and ref.manifest.get("policy_stage") not in REFERENCES and not repeat:
             self.log_metrics(round_run, ref.summary, step=ref.round)
         folder = store.local_path(ref) if ref.kind == "checkpoints" or store.local else None

@@ -49,7 +49,10 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from flywheel.store import Unfinished
 
 DEFAULT_CONFIG = Path("configs/default.yaml")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -475,6 +478,19 @@ def _took(manifest: dict) -> str:
     )
 
 
+def _progress(u: Unfinished) -> str:
+    """What an unfinished write holds so far, for ``artifacts ls``: the train state a training
+    stage resumes from, or the shards a rollout stage wrote, and when it last wrote."""
+    if u.train_step is not None:
+        done = f"train state at step {u.train_step}"
+    elif u.shards:
+        done = f"{u.shards} shard{'s' if u.shards > 1 else ''} written"
+    else:
+        done = "nothing saved yet"
+    when = f", last write {u.modified:%Y-%m-%d %H:%M} UTC" if u.modified else ""
+    return f"{done}{when} (running, or stopped: rerunning its stage resumes it)"
+
+
 def _print_lineage(node: dict, depth: int = 0) -> None:
     metrics = ", ".join(
         f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
@@ -586,6 +602,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                 print(
                     f"round {ref.round}  {ref.stage:<9} {ref.kind:<12} {ref.id:<28} rows={ref.manifest.get('rows')}  {ref.manifest.get('created')}{_took(ref.manifest)}"
                 )
+            for u in store.unfinished(round=args.round, stage=args.stage):
+                print(f"round {u.round}  {u.stage:<9} {'unfinished':<12} {u.id:<28} {_progress(u)}")
             failed = bool(problems) and not refs
             for problem in problems:
                 print(f"flywheel: {'error' if failed else 'warning'}: {problem}", file=sys.stderr)

@@ -100,6 +100,39 @@ class ArtifactRef:
         return self.manifest.get("inputs", [])
 
 
+@dataclass(frozen=True)
+class Unfinished:
+    """A write not yet committed: a ``.tmp-<id>`` folder that a running stage is filling, or
+    that an interrupted one left (rerunning the stage with the same config resumes it)."""
+
+    id: str
+    stage: str
+    round: int
+    path: str
+    shards: int  # shard files written (checked against their footers only when resumed)
+    train_step: int | None  # the step of the saved train state a training stage resumes from
+    modified: datetime | None  # the newest write in the folder, where the filesystem says
+
+
+def _mtime(info: dict[str, Any]) -> datetime | None:
+    """When a file was last written, from an fsspec ``info`` entry: local files give ``mtime``
+    (seconds), object stores ``LastModified`` or ``updated`` (a datetime or an ISO string), the
+    memory filesystem ``created`` (a shard file is written once)."""
+    value = next(
+        (info[k] for k in ("mtime", "LastModified", "updated", "created") if k in info), None
+    )
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC)
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    return None
+
+
 def config_hash(stage: str, config: Any, inputs: list[str], schema_version: int) -> str:
     payload = json.dumps(
         {"stage": stage, "config": config, "inputs": list(inputs), "schema": schema_version},
@@ -341,6 +374,39 @@ class Store:
                 problems.append(str(err))
         refs.sort(key=lambda ref: (ref.round, ref.manifest.get("created", ""), ref.id))
         return refs, problems
+
+    def unfinished(
+        self, round: int | None = None, stage: str | None = None
+    ) -> builtins.list[Unfinished]:
+        """The writes in progress or interrupted (``.tmp-<id>`` folders), oldest round first:
+        what ``artifacts ls`` shows of a run that is still going, or was stopped."""
+        found = []
+        for folder in sorted(self.fs.glob(f"{self._pattern(round, stage)}/.tmp-*")):
+            if not self.fs.isdir(folder):
+                continue
+            *_, round_dir, stage_name, name = folder.rsplit("/", 3)
+            entries = self.fs.ls(folder, detail=True)
+            names = [e["name"].rsplit("/", 1)[-1] for e in entries]
+            entries.append(self.fs.info(folder))  # an empty folder: when it was made
+            step = None
+            latest = f"{folder}/_train_state/latest"
+            if self.fs.exists(latest):
+                tag = self.fs.cat_file(latest).decode().strip()
+                step = int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else None
+                entries.append(self.fs.info(latest))
+            times = [t for t in map(_mtime, entries) if t is not None]
+            found.append(
+                Unfinished(
+                    id=name.removeprefix(".tmp-"),
+                    stage=stage_name,
+                    round=int(round_dir.removeprefix("round-")),
+                    path=self._url(folder),
+                    shards=sum(1 for n in names if _SHARD.fullmatch(n)),
+                    train_step=step,
+                    modified=max(times) if times else None,
+                )
+            )
+        return sorted(found, key=lambda u: (u.round, u.stage, u.id))
 
     def get(self, artifact_id: str) -> ArtifactRef:
         """Find an artifact by id anywhere in this run."""

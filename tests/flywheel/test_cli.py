@@ -4,6 +4,7 @@ the read-only commands (artifacts ls / show / lineage, config --fields) on a rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -327,6 +328,38 @@ def test_config_fields_and_dump(tmp_path, capsys):
     assert rc == 0
     dumped = load_config(None).model_validate(yaml.safe_load(out))
     assert dumped.sft.lr == 0.5 and dumped.envs[0].n_train == 24
+
+
+def test_artifacts_ls_ends_with_the_writes_in_progress(small_store, capsys):
+    path, store, _, expert = small_store
+    w = store.writer("checkpoints", stage="sft", round=0, config={"unfinished": 1}, inputs=[])
+    store.fs.makedirs(f"{w.tmp_dir}/_train_state/step500", exist_ok=True)
+    store.fs.pipe_file(f"{w.tmp_dir}/_train_state/latest", b"step500")
+    rc, out, err = run_cli(capsys, "artifacts", "--config", str(path), "ls")
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert len(lines) == 5  # the four artifacts, then the write in progress
+    assert lines[-1].split()[:5] == ["round", "0", "sft", "unfinished", w.id]
+    assert "train state at step 500, last write 20" in lines[-1]
+    assert lines[-1].endswith("(running, or stopped: rerunning its stage resumes it)")
+    rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--stage", "expert")
+    assert rc == 0 and out.splitlines() == [line for line in lines if expert.id in line]
+
+
+def test_artifacts_ls_says_what_an_unfinished_write_holds():
+    from datetime import UTC, datetime
+
+    from flywheel.cli import _progress
+    from flywheel.store import Unfinished
+
+    at = datetime(2026, 11, 29, 13, 5, 49, tzinfo=UTC)
+    u = Unfinished("explore-x", "explore", 1, "/s/.tmp-explore-x", 3, None, at)
+    assert _progress(u).startswith("3 shards written, last write 2026-11-29 13:05 UTC (running")
+    one = dataclasses.replace(u, shards=1, modified=None)
+    assert _progress(one).startswith("1 shard written (running, or stopped")
+    assert _progress(dataclasses.replace(u, shards=0)).startswith("nothing saved yet, last")
+    # a training stage: the train state's step, not the shards
+    assert _progress(dataclasses.replace(u, train_step=500)).startswith("train state at step 500,")
 
 
 def test_artifacts_ls_says_a_stage_resumed_and_that_old_manifests_were_not_timed():

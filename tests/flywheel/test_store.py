@@ -246,6 +246,39 @@ def test_manifest_times_the_stage_and_says_when_it_resumed(tmp_path, monkeypatch
     )
 
 
+def test_unfinished_lists_writes_in_progress_with_what_they_hold(tmp_path):
+    store = Store(str(tmp_path))
+    assert store.unfinished() == []
+    rollout = store.writer("tasks", stage="explore", round=1, config={"k": 1}, inputs=[])
+    rollout.write_shard(0, task_rows(3))
+    rollout.write_shard(3, task_rows(2))
+    training = store.writer("checkpoints", stage="sft", round=2, config={"k": 1}, inputs=[])
+    # A local store's training stage keeps its train state in the .tmp folder.
+    store.fs.makedirs(f"{training.tmp_dir}/_train_state/step40", exist_ok=True)
+    store.fs.pipe_file(f"{training.tmp_dir}/_train_state/latest", b"step40")
+    empty = store.writer("tasks", stage="tasks", round=0, config={"k": 1}, inputs=[])
+    found = store.unfinished()
+    assert [(u.round, u.stage, u.id) for u in found] == [
+        (0, "tasks", empty.id), (1, "explore", rollout.id), (2, "sft", training.id)
+    ]  # fmt: skip
+    assert [(u.shards, u.train_step) for u in found] == [(0, None), (2, None), (0, 40)]
+    assert all(u.modified is not None and u.modified.tzinfo is not None for u in found)
+    assert found[1].path == rollout.tmp_dir
+    assert [u.id for u in store.unfinished(round=1)] == [rollout.id]
+    assert [u.id for u in store.unfinished(stage="sft")] == [training.id]
+    # A commit turns the write into an artifact: no longer unfinished.
+    rollout.commit()
+    assert [u.id for u in store.unfinished()] == [empty.id, training.id]
+    assert [r.id for r in store.list()] == [rollout.id]
+    # An object store says when its files were written too (here fsspec's memory filesystem).
+    remote = Store("memory://flywheel-unfinished", run="m")
+    w = remote.writer("tasks", stage="explore", round=1, config={}, inputs=[])
+    w.write_shard(0, task_rows(2))
+    (u,) = remote.unfinished()
+    assert (u.id, u.shards, u.path) == (w.id, 1, f"memory://{w.tmp_dir}")
+    assert u.modified is not None
+
+
 def test_partial_shard_file_is_not_a_finished_shard(tmp_path):
     store = Store(str(tmp_path))
     w = store.writer("tasks", stage="tasks", round=0, config={}, inputs=[])

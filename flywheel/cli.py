@@ -480,15 +480,20 @@ def _took(manifest: dict) -> str:
 
 def _progress(u: Unfinished) -> str:
     """What an unfinished write holds so far, for ``artifacts ls``: the train state a training
-    stage resumes from, or the shards a rollout stage wrote, and when it last wrote."""
+    stage resumes from, or the shards a rollout stage wrote, when it last wrote, and what a rerun
+    of its stage would keep."""
     if u.train_step is not None:
-        done = f"train state at step {u.train_step}"
+        done, rerun = f"train state at step {u.train_step}", "a rerun resumes from it"
     elif u.shards:
-        done = f"{u.shards} shard{'s' if u.shards > 1 else ''} written"
+        plural = "s" if u.shards > 1 else ""
+        done, rerun = (
+            f"{u.shards} shard{plural} written",
+            f"a rerun keeps {'them' if plural else 'it'}",
+        )
     else:
-        done = "nothing saved yet"
+        done, rerun = "no train state or shard yet", "a rerun starts it over"
     when = f", last write {u.modified:%Y-%m-%d %H:%M} UTC" if u.modified else ""
-    return f"{done}{when} (running, or stopped: rerunning its stage resumes it)"
+    return f"{done}{when} (running, or stopped: {rerun})"
 
 
 def _print_lineage(node: dict, depth: int = 0) -> None:

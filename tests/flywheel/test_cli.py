@@ -341,7 +341,7 @@ def test_artifacts_ls_ends_with_the_writes_in_progress(small_store, capsys):
     assert len(lines) == 5  # the four artifacts, then the write in progress
     assert lines[-1].split()[:5] == ["round", "0", "sft", "unfinished", w.id]
     assert "train state at step 500, last write 20" in lines[-1]
-    assert lines[-1].endswith("(running, or stopped: rerunning its stage resumes it)")
+    assert lines[-1].endswith("(running, or stopped: a rerun resumes from it)")
     rc, out, _ = run_cli(capsys, "artifacts", "--config", str(path), "ls", "--stage", "expert")
     assert rc == 0 and out.splitlines() == [line for line in lines if expert.id in line]
 
@@ -354,10 +354,13 @@ def test_artifacts_ls_says_what_an_unfinished_write_holds():
 
     at = datetime(2026, 11, 29, 13, 5, 49, tzinfo=UTC)
     u = Unfinished("explore-x", "explore", 1, "/s/.tmp-explore-x", 3, None, at)
-    assert _progress(u).startswith("3 shards written, last write 2026-11-29 13:05 UTC (running")
+    assert _progress(u) == (
+        "3 shards written, last write 2026-11-29 13:05 UTC (running, or stopped: a rerun keeps them)"
+    )
     one = dataclasses.replace(u, shards=1, modified=None)
-    assert _progress(one).startswith("1 shard written (running, or stopped")
-    assert _progress(dataclasses.replace(u, shards=0)).startswith("nothing saved yet, last")
+    assert _progress(one) == "1 shard written (running, or stopped: a rerun keeps it)"
+    assert _progress(dataclasses.replace(u, shards=0)).startswith("no train state or shard yet, ")
+    assert _progress(dataclasses.replace(u, shards=0)).endswith("a rerun starts it over)")
     # a training stage: the train state's step, not the shards
     assert _progress(dataclasses.replace(u, train_step=500)).startswith("train state at step 500,")
 

@@ -385,15 +385,18 @@ class Store:
             if not self.fs.isdir(folder):
                 continue
             *_, round_dir, stage_name, name = folder.rsplit("/", 3)
-            entries = self.fs.ls(folder, detail=True)
-            names = [e["name"].rsplit("/", 1)[-1] for e in entries]
-            entries.append(self.fs.info(folder))  # an empty folder: when it was made
-            step = None
-            latest = f"{folder}/_train_state/latest"
-            if self.fs.exists(latest):
-                tag = self.fs.cat_file(latest).decode().strip()
-                step = int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else None
-                entries.append(self.fs.info(latest))
+            try:
+                entries = self.fs.ls(folder, detail=True)
+                names = [e["name"].rsplit("/", 1)[-1] for e in entries]
+                entries.append(self.fs.info(folder))  # an empty folder: when it was made
+                step = None
+                latest = f"{folder}/_train_state/latest"
+                if self.fs.exists(latest):
+                    tag = self.fs.cat_file(latest).decode().strip()
+                    step = int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else None
+                    entries.append(self.fs.info(latest))
+            except FileNotFoundError:
+                continue  # committed (renamed into place) while this looked: not unfinished
             times = [t for t in map(_mtime, entries) if t is not None]
             found.append(
                 Unfinished(

@@ -246,7 +246,7 @@ def test_manifest_times_the_stage_and_says_when_it_resumed(tmp_path, monkeypatch
     )
 
 
-def test_unfinished_lists_writes_in_progress_with_what_they_hold(tmp_path):
+def test_unfinished_lists_writes_in_progress_with_what_they_hold(tmp_path, monkeypatch):
     store = Store(str(tmp_path))
     assert store.unfinished() == []
     rollout = store.writer("tasks", stage="explore", round=1, config={"k": 1}, inputs=[])
@@ -270,6 +270,17 @@ def test_unfinished_lists_writes_in_progress_with_what_they_hold(tmp_path):
     rollout.commit()
     assert [u.id for u in store.unfinished()] == [empty.id, training.id]
     assert [r.id for r in store.list()] == [rollout.id]
+    # A write committed (renamed into place) between the listing and the look inside is skipped.
+    real_ls = store.fs.ls
+
+    def ls_after_commit(path, **kw):
+        if path.endswith(training.tmp_dir.rsplit("/", 1)[-1]):
+            raise FileNotFoundError(path)
+        return real_ls(path, **kw)
+
+    monkeypatch.setattr(store.fs, "ls", ls_after_commit)
+    assert [u.id for u in store.unfinished()] == [empty.id]
+    monkeypatch.undo()
     # An object store says when its files were written too (here fsspec's memory filesystem).
     remote = Store("memory://flywheel-unfinished", run="m")
     w = remote.writer("tasks", stage="explore", round=1, config={}, inputs=[])

@@ -28,8 +28,8 @@ the artifact in place.
 
 How long a stage took is in its manifest: ``started`` (when its writer was opened, UTC),
 ``seconds`` (from then to the commit, in the process that committed it) and ``resumed`` (true when
-that process took over finished shards or a train state an earlier, interrupted run left in the
-``.tmp-<id>`` folder: the earlier run's time is then not counted).
+the ``.tmp-<id>`` folder held shard files or a saved train state from an earlier, interrupted run
+when that process opened it: the earlier run's time is then not counted).
 
 The root is a local path or any fsspec URL (``s3://``, ``gs://``, ``memory://``).
 
@@ -74,6 +74,9 @@ MANIFEST = "manifest.json"
 # Run names, stage names and artifact ids are single folder names: no '/', no glob characters.
 _PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SHARD = re.compile(r"part-(\d{5})\.parquet")
+# A training stage keeps its resumable train state here, inside its writer's local_dir
+# (flywheel/training/loop.py); DeepSpeed names the saved step in its file "latest" ("step500").
+TRAIN_STATE_DIR = "_train_state"
 # Footer keys that tie a shard to the artifact and index it was written for.
 _ARTIFACT_KEY, _SHARD_KEY = b"flywheel.artifact", b"flywheel.shard"
 
@@ -386,15 +389,8 @@ class Store:
                 continue
             *_, round_dir, stage_name, name = folder.rsplit("/", 3)
             try:
-                entries = self.fs.ls(folder, detail=True)
-                names = [e["name"].rsplit("/", 1)[-1] for e in entries]
+                shards, step, entries = self._held(folder)
                 entries.append(self.fs.info(folder))  # an empty folder: when it was made
-                step = None
-                latest = f"{folder}/_train_state/latest"
-                if self.fs.exists(latest):
-                    tag = self.fs.cat_file(latest).decode().strip()
-                    step = int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else None
-                    entries.append(self.fs.info(latest))
             except FileNotFoundError:
                 continue  # committed (renamed into place) while this looked: not unfinished
             times = [t for t in map(_mtime, entries) if t is not None]
@@ -404,12 +400,24 @@ class Store:
                     stage=stage_name,
                     round=int(round_dir.removeprefix("round-")),
                     path=self._url(folder),
-                    shards=sum(1 for n in names if _SHARD.fullmatch(n)),
+                    shards=shards,
                     train_step=step,
                     modified=max(times) if times else None,
                 )
             )
         return sorted(found, key=lambda u: (u.round, u.stage, u.id))
+
+    def _held(self, folder: str) -> tuple[int, int | None, builtins.list[dict[str, Any]]]:
+        """What a ``.tmp-<id>`` folder holds that a rerun of its stage takes over: the shard
+        files, the step of a saved train state (None without one), and the fsspec entries read."""
+        entries = self.fs.ls(folder, detail=True)
+        shards = sum(1 for e in entries if _SHARD.fullmatch(e["name"].rsplit("/", 1)[-1]))
+        latest = f"{folder}/{TRAIN_STATE_DIR}/latest"
+        if not self.fs.exists(latest):
+            return shards, None, entries
+        tag = self.fs.cat_file(latest).decode().strip()
+        step = int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else None
+        return shards, step, [*entries, self.fs.info(latest)]
 
     def get(self, artifact_id: str) -> ArtifactRef:
         """Find an artifact by id anywhere in this run."""
@@ -551,7 +559,9 @@ class ArtifactWriter:
         self._resumed = False
         if cached is None:
             fs = store.fs
-            self._resumed = fs.isdir(self.tmp_dir) and bool(fs.ls(self.tmp_dir, detail=False))
+            if fs.isdir(self.tmp_dir):  # what an interrupted run left, that this one takes over
+                shards, step, _ = store._held(self.tmp_dir)
+                self._resumed = bool(shards) or step is not None
             fs.makedirs(self.tmp_dir, exist_ok=True)
 
     @property

@@ -65,11 +65,11 @@ import torch.distributed as dist
 
 from flywheel.config import TrainSection
 from flywheel.progress import Progress
-from flywheel.store import host_info
+from flywheel.store import TRAIN_STATE_DIR, host_info
 from flywheel.training import data, losses
 from flywheel.training.prebuild import ensure_extensions_dir
 
-STATE_DIR = "_train_state"
+STATE_DIR = TRAIN_STATE_DIR  # what `flywheel artifacts ls` and a manifest's `resumed` read
 BEST_DIR = "_best"  # the best validated weights so far, an HF folder inside out_dir
 
 

@@ -12,6 +12,7 @@ import pytest
 from data_contracts import SchemaError
 from flywheel.store import (
     KERNEL_ENV,
+    TRAIN_STATE_DIR,
     ArtifactError,
     Store,
     host_label,
@@ -224,7 +225,7 @@ def test_unfinished_writer_is_invisible_and_resumes(tmp_path):
 
 def test_manifest_times_the_stage_and_says_when_it_resumed(tmp_path, monkeypatch):
     # time.monotonic at each writer's opening (the cache hit's last) and at each commit
-    clock = iter([100.0, 104.25, 150.0, 200.0, 230.0, 300.0])
+    clock = iter([100.0, 104.25, 150.0, 200.0, 230.0, *range(240, 300, 10), 300.0])
     monkeypatch.setattr("flywheel.store.time.monotonic", lambda: next(clock))
     store = Store(str(tmp_path))
     w = store.writer("tasks", stage="tasks", round=0, config={"k": 1}, inputs=[])
@@ -240,6 +241,21 @@ def test_manifest_times_the_stage_and_says_when_it_resumed(tmp_path, monkeypatch
     w2.write_shard(1, task_rows(2, split="test"))
     m2 = w2.commit().manifest
     assert (m2["seconds"], m2["resumed"]) == (30.0, True)
+    # Only shards or a saved train state count as taken over: a folder left holding the best
+    # weights so far and a half-written shard starts over, and says so.
+    crashed = store.writer("tasks", stage="tasks", round=0, config={"k": 3}, inputs=[])
+    store.fs.makedirs(f"{crashed.tmp_dir}/_best", exist_ok=True)
+    store.fs.pipe_file(f"{crashed.tmp_dir}/{crashed.shard_name(0)}.part", b"PAR1 half")
+    w3 = store.writer("tasks", stage="tasks", round=0, config={"k": 3}, inputs=[])
+    w3.write_shard(0, task_rows(1))
+    assert w3.commit().manifest["resumed"] is False
+    # A training stage's saved train state (flywheel/training/loop.py) does count.
+    crashed = store.writer("tasks", stage="tasks", round=0, config={"k": 4}, inputs=[])
+    store.fs.makedirs(f"{crashed.tmp_dir}/{TRAIN_STATE_DIR}/step40", exist_ok=True)
+    store.fs.pipe_file(f"{crashed.tmp_dir}/{TRAIN_STATE_DIR}/latest", b"step40")
+    w4 = store.writer("tasks", stage="tasks", round=0, config={"k": 4}, inputs=[])
+    w4.write_shard(0, task_rows(1))
+    assert w4.commit().manifest["resumed"] is True
     # A cache hit keeps the manifest it had.
     assert (
         store.writer("tasks", stage="tasks", round=0, config={"k": 1}, inputs=[]).ref.manifest == m

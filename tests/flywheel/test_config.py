@@ -211,3 +211,43 @@ def test_cpu_bf16_is_in_artifact_ids_and_train_states_only_when_on():
     assert sft.artifact_config(on, 0) != sft.artifact_config(base, 0)
     args = (0, LossParams(), "sft", [10, 12], 1, None)
     assert _fingerprint(on.sft, *args) != _fingerprint(base.sft, *args)
+
+
+# The craft study's settings as docs/mcts.md records its measured runs: overrides of
+# configs/default.yaml. configs/craft-study.yaml must resolve to the same config, so that a run
+# of the file finds those runs' artifacts (same ids) and measures the same thing.
+CRAFT_STUDY_OVERRIDES = [
+    "run.rounds=2",
+    "envs=[{name: craft, n_train: 4000, n_val: 256, n_test: 1024, max_steps: 10,"
+    " options: {depth_weights: [1, 1, 0, 0], expert_thoughts: true}}]",
+    "model.tiny.hidden_size=256",
+    "model.tiny.intermediate_size=768",
+    "sft.lr=1e-3",
+    "sft.lr_drops=1",
+    "sft.max_steps=3000",
+    "expert.n_tasks=2000",
+    "engine.max_new_tokens=48",
+    "explore.n_tasks=2000",
+    "mcts.n_tasks=500",
+    "mcts.tasks=unsolved",
+    "iteration.data=[explore,mcts]",
+    "iteration.steps=[sft]",
+    "sft.with_expert=true",
+    "sft.round_lr=3e-4",
+    "sft.round_patience=10",
+    "rft.patience=10",
+    "rft.lr_drops=1",
+    "rft.max_steps=3000",
+    "rft.repeats=2",
+    "baselines=[rft,sft_more]",
+]
+
+
+def test_craft_study_config_is_the_measured_recipe():
+    study = load_config(ROOT / "configs" / "craft-study.yaml", ["run.seed=1"]).model_dump()
+    recorded = load_config(
+        ROOT / "configs" / "default.yaml", [*CRAFT_STUDY_OVERRIDES, "run.seed=1"]
+    ).model_dump()
+    assert study["run"].pop("name") == "craft-think"
+    recorded["run"].pop("name")
+    assert study == recorded

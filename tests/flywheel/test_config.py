@@ -251,3 +251,32 @@ def test_craft_study_config_is_the_measured_recipe():
     assert study["run"].pop("name") == "craft-think"
     recorded["run"].pop("name")
     assert study == recorded
+
+
+# The bar recipe on the embedded default as the README records it ("Where the bar stands").
+ARITH_BAR_OVERRIDES = [
+    "explore.n_tasks=2000",
+    "pareto.budget=2048",
+    "sft.with_expert=true",
+    "sft.round_lr=3e-4",
+    "iteration.data=[explore,mcts]",
+    "mcts.tasks=unsolved",
+    "splice.revisions=false",
+    "mcts.iterations=8",
+    "grpo.epochs=4",
+    "rft.patience=10",
+    "sft.round_patience=10",
+    "rft.max_steps=3000",
+    "rft.repeats=2",
+    "baselines=[rft,sft_more]",
+    "iteration.steps=[grpo,sft]",
+    "grpo.lr=1e-4",
+]
+
+
+def test_arith_bar_config_is_the_recorded_recipe():
+    bar = load_config(ROOT / "configs" / "arith-bar.yaml").model_dump()
+    recorded = load_config(ROOT / "configs" / "default.yaml", ARITH_BAR_OVERRIDES).model_dump()
+    assert bar["run"].pop("name") == "arith-bar"
+    recorded["run"].pop("name")
+    assert bar == recorded

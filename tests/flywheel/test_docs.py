@@ -2,7 +2,8 @@
 config field has help text, every error message docs/troubleshooting.md quotes is still in the
 source, the recipes' example environment runs, every `flywheel ...` command the docs show parses
 and names only config keys and env options that exist, every YAML block loads as a config and
-every Python block parses, and the README and docs link only to files that exist."""
+every Python block parses, the README and docs link only to files and headings that exist, and
+a reference to another page's section by name ("docs/results.md, \"...\"") names one it has."""
 
 from __future__ import annotations
 
@@ -146,20 +147,124 @@ def test_recipes_model_preset_is_a_valid_config():
     assert (ROOT / cfg.sft.deepspeed_config).is_file()
 
 
-def test_links_point_to_files_that_exist():
-    broken = []
-    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
-            if "://" in target or target.startswith("mailto:"):
-                continue
-            if not (page.parent / target).exists():
-                broken.append(f"{page.relative_to(ROOT)} -> {target}")
-    assert not broken, f"links to missing files: {broken}"
-
-
 def doc_pages() -> list[Path]:
-    """The pages whose commands, configs and code the checks below read."""
+    """The pages whose links, commands, configs and code the checks below read."""
     return [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), ROOT / "benchmarks" / "README.md"]
+
+
+def headings(page: Path) -> list[str]:
+    """A Markdown page's headings as written (outside code blocks)."""
+    found, in_code = [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and (m := re.match(r"#{1,6}\s+(.*?)\s*$", line)):
+            found.append(m.group(1))
+    return found
+
+
+def anchor(heading: str) -> str:
+    """The fragment a Markdown renderer (GitHub's) gives a heading: link text kept, lowercase,
+    punctuation dropped, each space a hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in headings(page):
+        slug = anchor(heading)
+        out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def broken_links(page: Path) -> list[str]:
+    """Links of a page to a file that does not exist, or to a heading its target lacks."""
+    broken = []
+    for target, fragment in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        dest = page.parent / target if target else page
+        if not dest.exists():
+            broken.append(f"{page.name} -> {target}")
+        elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+            broken.append(f"{page.name} -> {target}#{fragment} (no such heading)")
+    return broken
+
+
+def test_links_point_to_files_and_headings_that_exist():
+    broken = [b for page in doc_pages() for b in broken_links(page)]
+    assert not broken, f"broken links: {broken}"
+
+
+def test_a_link_to_a_missing_heading_is_caught(tmp_path):
+    (tmp_path / "a.md").write_text("# Top\n\n## The plateau (measured)\n")
+    page = tmp_path / "b.md"
+    page.write_text("[ok](a.md#the-plateau-measured), [gone](a.md#the-plateau), [self](#b)\n# B\n")
+    assert broken_links(page) == ["b.md -> a.md#the-plateau (no such heading)"]
+
+
+# A reference to a section of another page by its name, as the docs, help texts and config
+# comments write them: `docs/results.md, "The bootstrap's plateau"` (the path may be a link:
+# `[docs/results.md](docs/results.md), "..."`), or `README, "Where the bar stands"`. The name is
+# the start of a heading of that page, or of a paragraph's bold lead (`**Expert thoughts: ...**`).
+SECTION_REF = re.compile(
+    r"((?:\.\./)?(?:[\w.-]+/)*[\w.-]+\.md|README)(?:\]\([^)]*\))?\)?,?\s+(?:sections?\s+)?"
+    r'("[^"]{3,120}"(?:(?:,\s*|\s+and\s+|,\s+and\s+)"[^"]{3,120}")*)'
+)
+
+
+def _words(text: str) -> str:
+    return re.sub(r"\s+", " ", text.replace("`", "").replace("\\", "")).strip().lower()
+
+
+def section_names(page: Path) -> list[str]:
+    # A bold lead opens a paragraph or a list item; it may wrap onto the next line.
+    leads = re.findall(r"^\s*(?:[-*]\s+)?\*\*([^*]+?)\*\*", page.read_text(), flags=re.M)
+    return [_words(name) for name in [*headings(page), *leads]]
+
+
+def unknown_sections(page: Path) -> list[str]:
+    # References wrap across lines, in comments too: join them first.
+    text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", page.read_text())
+    missing = []
+    for target, names in SECTION_REF.findall(text):
+        target = "README.md" if target == "README" else target
+        dest = next((d for d in (page.parent / target, ROOT / target) if d.is_file()), None)
+        if dest is None:  # a page outside this repository (../shared's DESIGN.md, ...)
+            continue
+        known = section_names(dest)
+        for name in re.findall(r'"([^"]+)"', names):  # `"A" and "B"` names two sections
+            if not any(section.startswith(_words(name)) for section in known):
+                missing.append(f'{page.relative_to(ROOT)} -> {target}, "{name}"')
+    return missing
+
+
+def test_section_references_name_sections_that_exist():
+    pages = [*doc_pages(), *sorted(ROOT.glob("configs/*.yaml"))]
+    for folder in ("flywheel", "stages", "flows", "benchmarks", "data_contracts", "examples"):
+        pages += sorted((ROOT / folder).rglob("*.py"))
+    missing = [m for page in pages for m in unknown_sections(page)]
+    assert not missing, f"references to sections that do not exist: {missing}"
+
+
+def test_a_reference_to_a_renamed_section_is_caught(tmp_path, monkeypatch):
+    (tmp_path / "results.md").write_text(
+        "# R\n\n## The bootstrap's plateau (measured)\n\n**Expert thoughts: x.**\n"
+    )
+    page = tmp_path / "page.md"
+    page.write_text(
+        'See [results.md](results.md), "The bootstrap\'s plateau" and results.md, "Expert\n'
+        'thoughts", but results.md, "The old plateau" is gone, as is the second of results.md,\n'
+        '"Expert thoughts" and "Old thoughts".\n'
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert unknown_sections(page) == [
+        'page.md -> results.md, "The old plateau"',
+        'page.md -> results.md, "Old thoughts"',
+    ]
 
 
 # A documented command: `flywheel ...` at the start of a code block's line (continuations joined;

@@ -69,7 +69,6 @@ from flywheel.store import TRAIN_STATE_DIR, host_info
 from flywheel.training import data, losses
 from flywheel.training.prebuild import ensure_extensions_dir
 
-STATE_DIR = TRAIN_STATE_DIR  # what `flywheel artifacts ls` and a manifest's `resumed` read
 BEST_DIR = "_best"  # the best validated weights so far, an HF folder inside out_dir
 
 
@@ -172,7 +171,7 @@ def train(
         ref_model.to(device=engine.device, dtype=next(engine.module.parameters()).dtype)
         ref_model.eval().requires_grad_(False)
 
-    state_dir = out_dir / STATE_DIR
+    state_dir = out_dir / TRAIN_STATE_DIR  # read by `flywheel artifacts ls` and `resumed`
     fingerprint = _fingerprint(cfg, seed, params, loss, lengths, world, max_tokens)
     st = _load_state(engine, state_dir, fingerprint)
     step, epoch, batch_index, history = st.step, st.epoch, st.batch_index, st.history

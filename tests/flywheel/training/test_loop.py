@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flywheel.checkpoint import weights_digest
 from flywheel.config import TrainSection
+from flywheel.store import TRAIN_STATE_DIR
 from flywheel.training import data, loop
 from flywheel.training.loop import LossParams, TrainResult, compute_ref_logps, deepspeed_config
 from flywheel.training.losses import masked_ce, token_logprobs
@@ -90,7 +91,7 @@ def test_sft_loss_falls_and_params_change(tmp_path: Path) -> None:
     assert torch.allclose(
         params(model), saved_params(tmp_path)
     )  # stage 2 trains the object in place
-    assert not (tmp_path / loop.STATE_DIR).exists()
+    assert not (tmp_path / TRAIN_STATE_DIR).exists()
     assert all(r["tokens"] > 0 for r in result.history)
 
 
@@ -327,7 +328,7 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path, stage: int) -> None:
             out_dir=tmp_path / "resumed",
             log=crash_at_5,
         )
-    assert (tmp_path / "resumed" / loop.STATE_DIR / "latest").read_text().strip() == "step4"
+    assert (tmp_path / "resumed" / TRAIN_STATE_DIR / "latest").read_text().strip() == "step4"
     resumed = train(tiny_model(seed=7), examples, loss="sft", cfg=cfg, out_dir=tmp_path / "resumed")
     assert resumed.steps == 6 and len(resumed.history) == 6
     assert [r["loss"] for r in resumed.history] == pytest.approx(
@@ -359,11 +360,11 @@ def test_resume_from_a_state_saved_by_time(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="killed"):
         train(tiny_model(), examples, loss="sft", cfg=cfg, out_dir=tmp_path / "r", log=crash_at_5)
-    assert (tmp_path / "r" / loop.STATE_DIR / "latest").read_text().strip() == "step5"
+    assert (tmp_path / "r" / TRAIN_STATE_DIR / "latest").read_text().strip() == "step5"
     resumed = train(tiny_model(seed=7), examples, loss="sft", cfg=cfg, out_dir=tmp_path / "r")
     assert resumed.steps == 6
     assert torch.allclose(saved_params(tmp_path / "straight"), saved_params(tmp_path / "r"))
-    assert not (tmp_path / "r" / loop.STATE_DIR).exists()  # deleted once the model is saved
+    assert not (tmp_path / "r" / TRAIN_STATE_DIR).exists()  # deleted once the model is saved
 
 
 def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
@@ -598,7 +599,7 @@ def test_resume_after_an_improvement_past_the_last_periodic_save(tmp_path: Path)
             tiny_model(), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path / "resumed",
             validate=scripted([s for s in steps if s <= 8], {}), log=crash_at_9,
         )  # fmt: skip
-    assert (tmp_path / "resumed" / loop.STATE_DIR / "latest").read_text().strip() == "step8"
+    assert (tmp_path / "resumed" / TRAIN_STATE_DIR / "latest").read_text().strip() == "step8"
     resumed = train(
         tiny_model(seed=7), counting(16), loss="sft", cfg=cfg, out_dir=tmp_path / "resumed",
         validate=scripted([s for s in steps if s > 8], {}),

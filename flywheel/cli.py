@@ -37,6 +37,8 @@ stopped before we exit with 128 + the signal's number. Python's default for SIGT
 ends the interpreter without running ``finally`` blocks or ``atexit`` handlers, which left
 Prefect's server running with parent pid 1. Further signals while stopping are ignored, so the
 clean-up (bounded: children get ``STOP_GRACE_S`` to exit, then SIGKILL) is not cut short.
+Prefect's server runs in a session of its own (``_start_prefect_server``), so a signal to our
+whole process group, as a terminal's Ctrl-C sends it, reaches us and not it.
 """
 
 from __future__ import annotations
@@ -114,6 +116,47 @@ def _drain_prefect() -> None:
     for service in (APILogWorker, EventsWorker):
         with contextlib.suppress(Exception):
             service.drain_all(timeout=STOP_GRACE_S)
+
+
+def _start_prefect_server() -> None:
+    """Start Prefect's temporary server (the one a flow uses when PREFECT_API_URL is unset) in
+    a session of its own that ends with this process.
+
+    Started by Prefect, it shares our process group, so a terminal's Ctrl-C or a
+    ``kill -- -PGID`` stops it at the same moment as us; Prefect then spends a minute or more
+    retrying to record the crash with the server that is gone, and the run ends with a
+    traceback and exit 1 instead of ``flywheel: interrupted``. Out of our group only we hear
+    the signal, and the server is stopped once the flow has unwound (``_stop_children``, or
+    Prefect's exit hook); ``PR_SET_PDEATHSIG`` stops it if we are killed outright. Prefect's
+    ``SubprocessASGIServer()`` is one instance per port: the one made here, under the default
+    key, is the one its clients ask for."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return  # a server of the user's (flywheel serve, or their own): not ours to start
+    import functools
+    import subprocess
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from flywheel.engines.server import die_with_parent
+
+    parent = os.getpid()
+
+    class OwnSessionServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            # Prefect's command line, started with two more Popen arguments: subprocess.Popen
+            # is swapped for this one call only (the main thread, before the flow starts).
+            popen = subprocess.Popen
+            subprocess.Popen = functools.partial(  # type: ignore[misc,assignment]
+                popen, start_new_session=True, preexec_fn=lambda: die_with_parent(parent)
+            )
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                subprocess.Popen = popen  # type: ignore[misc]
+
+    OwnSessionServer().start()
 
 
 def _environment() -> None:
@@ -577,6 +620,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
             raise
+    if args.command in ("run", "stage"):
+        _start_prefect_server()
     if args.command == "run":
         from flows.flywheel import flywheel_flow
 

@@ -39,8 +39,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent(parent: int) -> None:
-    """Runs in the child before exec: SIGTERM when the parent goes, even by SIGKILL."""
+def die_with_parent(parent: int) -> None:
+    """Runs in the child before exec (``preexec_fn``): SIGTERM when the parent goes, even by
+    SIGKILL."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -84,7 +85,7 @@ class ManagedServer:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,  # its own group: stop() reaches its children too
-                preexec_fn=lambda: _die_with_parent(parent),
+                preexec_fn=lambda: die_with_parent(parent),
             )
         try:
             self._wait_healthy()

@@ -157,29 +157,35 @@ def kinds(seen: dict[int, tuple[int, str]]) -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("signum", "marker", "extra"),
+    ("signum", "marker", "extra", "group"),
     [
-        # SIGTERM in SFT training: 400 steps (tens of seconds), after the untrained policy's
-        # evaluation has run the sandbox.
+        # SIGTERM in SFT training, to the flywheel process alone (as `kill PID`, a container
+        # runtime or a scheduler sends it): 400 steps (tens of seconds), after the untrained
+        # policy's evaluation has run the sandbox.
         (
             signal.SIGTERM,
             "[train sft] step",
             ("sft.epochs=200", "sft.max_steps=400", "sft.checkpoint_every=50"),
+            False,
         ),
-        # SIGINT in an evaluation: the SFT policy's, over 2000 test tasks in 250 shards, sent
-        # once its first shard is done. Both cases leave seconds of work after the marker, so a
-        # slow machine cannot finish the run before the signal arrives.
+        # SIGINT in an evaluation, to the whole process group (as a terminal's Ctrl-C sends it):
+        # the SFT policy's, over 2000 test tasks in 250 shards, sent once its first shard is
+        # done. Prefect's server must not hear it (it runs in a session of its own), or Prefect
+        # would spend minutes recording the crash with a server that is gone. Both cases leave
+        # seconds of work after the marker, so a slow machine cannot finish the run before the
+        # signal arrives.
         (
             signal.SIGINT,
             "evaluate: shard 1/250",
             ("evaluate.untrained=false", "envs.arith.n_test=2000"),
+            True,
         ),
     ],
-    ids=["SIGTERM", "SIGINT"],
+    ids=["SIGTERM", "SIGINT-group"],
 )
-def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker, extra):
-    """The signal goes to the flywheel process alone (as `kill PID`, a container runtime or a
-    scheduler sends it), in the middle of a stage, once Prefect's server and the sandbox run."""
+def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker, extra, group):
+    """The signal goes to the flywheel process alone or to its process group, in the middle of a
+    stage, once Prefect's server and the sandbox run."""
     config = write_tiny_yaml(tmp_path, *extra)
     log = tmp_path / "run.log"
     with open(log, "w") as out:
@@ -189,7 +195,7 @@ def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a terminal's Ctrl-C would reach the whole group; we don't
+            start_new_session=True,  # its own group, as a command a terminal runs in the foreground
         )
     watch = ProcessWatch(proc)
     try:
@@ -214,7 +220,10 @@ def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker
                 checked += 1
         assert checked, f"no Prefect server process was running: {watch.seen}"
         sent = time.monotonic()
-        os.kill(proc.pid, signum)
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            os.kill(proc.pid, signum)
         assert watch.wait(60), "the run did not stop within 60 s of the signal"
         took = time.monotonic() - sent
         left = watch.survivors()
@@ -232,3 +241,32 @@ def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker
         f"\n{signum.name}: stopped in {took:.1f}s; {len(watch.seen)} processes started "
         f"({', '.join(sorted(kinds(watch.seen)))}), 0 left"
     )
+
+
+@pytest.mark.slow
+def test_a_killed_run_leaves_no_prefect_server(tmp_path):
+    """SIGKILL runs no clean-up: Prefect's server, in a session of its own (out of reach of a
+    signal to our group), must still go with the run (the kernel's parent-death signal)."""
+    config = write_tiny_yaml(tmp_path, "sft.epochs=200", "sft.max_steps=400")
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [FLYWHEEL, "run", "--config", str(config)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    watch = ProcessWatch(proc)
+    try:
+        started = watch.wait(240, until=lambda: "[round 0] tasks" in log.read_text())
+        assert started and proc.poll() is None, f"the run ended early:\n{log.read_text()[-3000:]}"
+        watch.poll()
+        servers = [p for p, (_, line) in watch.seen.items() if "uvicorn" in line]
+        assert servers, watch.seen
+        # Not in the run's process group: a terminal's Ctrl-C goes to the run alone.
+        assert all(os.getpgid(p) != os.getpgid(proc.pid) for p in servers)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        left = watch.survivors(grace=20)
+        assert not left, f"left running after SIGKILL: {left}"
+    finally:
+        watch.kill_all()

@@ -123,7 +123,7 @@ def run(
         model, examples, model_dir=checkpoint_dir(store, policy), loss="sft", cfg=rc,
         seed=cfg.baseline_seed(rc), out_dir=out, log=log, log_every=cfg.run.log_every,
         validation=partial(validation, cfg, rc, store, tokenizer, val_tasks, val_demos),
-        start_validation=known,
+        start_validation=known, label="rft",
     )  # fmt: skip
     write_train_log(out, result.history)
     return write_checkpoint(

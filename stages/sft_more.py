@@ -119,7 +119,7 @@ def run(
         seed=cfg.baseline_seed(cfg.sft_more), out_dir=out, log=log, max_tokens=max_tokens,
         log_every=cfg.run.log_every,
         validation=partial(validation, cfg, sc, store, tokenizer, val_tasks, val_demos),
-        start_validation=known,
+        start_validation=known, label="sft_more",
     )  # fmt: skip
     write_train_log(out, result.history)
     return write_checkpoint(

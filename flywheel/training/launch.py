@@ -84,6 +84,7 @@ def run_training(
     max_tokens: int | None = None,
     log_every: int = 0,
     start_validation: dict[str, float] | None = None,
+    label: str | None = None,
 ) -> TrainResult:
     """`loop.train` on the ranks `cfg` asks for; the trained model is saved in `out_dir`.
 
@@ -98,20 +99,20 @@ def run_training(
         return train(
             model, examples, loss=loss, cfg=cfg, out_dir=out_dir, seed=seed, params=params,
             ref_model=ref_model, log=log, validate=validate, max_tokens=max_tokens,
-            log_every=log_every, start_validation=start_validation,
+            log_every=log_every, start_validation=start_validation, label=label,
         )  # fmt: skip
     folder = write_spec(
         Path(out_dir) / LAUNCH_DIR, examples, model_dir=model_dir, loss=loss, cfg=cfg,
         out_dir=out_dir, seed=seed, params=params or LossParams(), reference=reference,
         validation=validation if validate is not None else None, max_tokens=max_tokens,
-        log_every=log_every, start_validation=start_validation,
+        log_every=log_every, start_validation=start_validation, label=label,
     )  # fmt: skip
     # The ranks load their own copies: leave the accelerators to them.
     model.to("cpu")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     command = launch_command(cfg, folder, _free_port())
-    say(f"[train {loss}] {ranks} ranks: {' '.join(command)}")
+    say(f"[train {label or loss}] {ranks} ranks: {' '.join(command)}")
     _run_launcher(command, _launcher_env(ranks), folder / LOG, ranks)
     result_path = folder / RESULT
     if not result_path.is_file():
@@ -182,6 +183,7 @@ def write_spec(
     max_tokens: int | None,
     log_every: int,
     start_validation: dict[str, float] | None = None,
+    label: str | None = None,
 ) -> Path:
     """Write everything the ranks need into `folder` (made empty first); return it."""
     shutil.rmtree(folder, ignore_errors=True)
@@ -209,6 +211,7 @@ def write_spec(
         "max_tokens": max_tokens,
         "log_every": log_every,
         "start_validation": start_validation,
+        "label": label,
     }
     (folder / SPEC).write_text(json.dumps(spec, indent=1))
     return folder
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         model, examples, loss=spec["loss"], cfg=cfg, out_dir=spec["out_dir"], seed=spec["seed"],
         params=LossParams(**spec["params"]), ref_model=ref_model, validate=validate,
         max_tokens=spec["max_tokens"], log_every=spec["log_every"],
-        start_validation=spec.get("start_validation"),
+        start_validation=spec.get("start_validation"), label=spec.get("label"),
     )  # fmt: skip
     if dist.get_rank() == 0:
         tmp = folder / (RESULT + ".tmp")

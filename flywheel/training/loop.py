@@ -124,12 +124,14 @@ def train(
     max_tokens: int | None = None,
     log_every: int = 0,
     start_validation: dict[str, float] | None = None,
+    label: str | None = None,
 ) -> TrainResult:
     """Train `model` in place on `examples` with the given loss; save it as an HF folder in `out_dir`
     (the best validated weights when validating, else the last). `start_validation`: what
     `validate` returns for the starting weights, when the caller already knows it (another run
     validated the same weights the same way); the validation before the first step is then not
-    run again."""
+    run again. `label` names the run in its progress lines (`[train rft] ...`; the loss by
+    default)."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     params = params or LossParams()
@@ -175,9 +177,10 @@ def train(
     fingerprint = _fingerprint(cfg, seed, params, loss, lengths, world, max_tokens)
     st = _load_state(engine, state_dir, fingerprint)
     step, epoch, batch_index, history = st.step, st.epoch, st.batch_index, st.history
-    bar = Progress(f"[train {loss}]", total, unit="steps", done=step, enabled=rank == 0)
+    tag = label or loss
+    bar = Progress(f"[train {tag}]", total, unit="steps", done=step, enabled=rank == 0)
     if step:
-        bar.note(f"[train {loss}] resumed at step {step}/{total} from {state_dir}")
+        bar.note(f"[train {tag}] resumed at step {step}/{total} from {state_dir}")
 
     def check(at: int, record: dict[str, float], known: dict[str, float] | None = None) -> None:
         """Validate now (or take `known`, the numbers of these weights); keep the weights when
@@ -200,7 +203,7 @@ def train(
             st.bad += 1
         line = "  ".join(f"{k} {v:.4f}" for k, v in found.items() if k != "score")
         bar.note(
-            f"[train {loss}] validate step {at}: {line} (best step {st.best_step}, "
+            f"[train {tag}] validate step {at}: {line} (best step {st.best_step}, "
             f"{st.bad}/{cfg.patience} without improvement)"
             + (" (known: the same weights were validated the same way before)" if known else "")
         )
@@ -230,7 +233,7 @@ def train(
                 st.drops.append(step)
                 st.bad = 0
                 bar.note(
-                    f"[train {loss}] plateau at step {step}: back to step {st.best_step}, "
+                    f"[train {tag}] plateau at step {step}: back to step {st.best_step}, "
                     f"lr {old:.2e} -> {scheduler.get_last_lr()[0]:.2e} "
                     f"(drop {len(st.drops)}/{cfg.lr_drops})"
                 )
@@ -266,7 +269,7 @@ def train(
                 line = (
                     f"step {step}/{total} loss {record['loss']:.4f} lr {lr:.2e} {speed:.0f} tok/s"
                 )
-                bar.line(f"[train {loss}] {line}, {bar.rate()}, {bar.eta()}")
+                bar.line(f"[train {tag}] {line}, {bar.rate()}, {bar.eta()}")
                 window_tokens, window_start = 0, time.perf_counter()
             if log is not None:
                 log(record)
@@ -277,7 +280,7 @@ def train(
         reason = "tokens"  # the budget ran out on the last step
     if validating:
         bar.note(
-            f"[train {loss}] kept step {st.best_step} (val score {st.best_score:.4f}); "
+            f"[train {tag}] kept step {st.best_step} (val score {st.best_score:.4f}); "
             f"stopped at step {step}/{total} ({reason})"
         )
         dist.barrier()

@@ -105,10 +105,12 @@ def test_sft_more_trains_up_to_the_budget(boot, match):
     cfg, store, refs = boot
     cfg = cfg.model_copy(update={"sft_more": cfg.sft_more.model_copy(update={"match": match})})
     rounds = [fake_round("dpo-a", 900, 3), fake_round("grpo-b", 700, 2)]
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
         ref = stages.sft_more.run(cfg, store, refs["sft"], refs["expert"], rounds, round=2)
     s = ref.summary
     assert ref.inputs == [refs["sft"].id, refs["expert"].id, "dpo-a", "grpo-b"]
+    # its progress lines name the stage, not the loss it trains with
+    assert "[train sft_more] step " in out.getvalue() and "[train sft]" not in out.getvalue()
     if match == "tokens":
         # stops at the first step that reaches the budget: within one step's tokens of it
         assert s["budget"] == 1600 and s["stop_reason"] == "tokens"

@@ -173,13 +173,14 @@ def test_a_rank_writes_its_result_then_leaves_the_group_with_the_others(
     folder = launch.write_spec(
         tmp_path / "launch", counting(4), model_dir=start, loss="sft", cfg=TrainSection(),
         out_dir=tmp_path / "out", seed=0, params=launch.LossParams(), reference=False,
-        validation=None, max_tokens=None, log_every=0,
+        validation=None, max_tokens=None, log_every=0, label="rft",
     )  # fmt: skip
     calls: list[str] = []
     result = TrainResult(steps=3, final_loss=0.5, history=[], train_time_s=0.1)
 
     def fake_train(*args: object, **kwargs: object) -> TrainResult:
         calls.append("train")
+        assert kwargs["label"] == "rft"  # the ranks' progress lines name the stage too
         return result
 
     def record(name: str) -> Callable[[], None]:

@@ -155,6 +155,20 @@ def kinds(seen: dict[int, tuple[int, str]]) -> set[str]:
     return out
 
 
+def start_run(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, ProcessWatch, Path]:
+    """`flywheel run` on the tiny config (with ``extra`` overrides) in a process group of its
+    own, as a command a terminal runs in the foreground; its output goes to a log file."""
+    config = write_tiny_yaml(tmp_path, *extra)
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [FLYWHEEL, "run", "--config", str(config)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    return proc, log, ProcessWatch(proc), config
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "marker", "extra", "group"),
@@ -186,18 +200,7 @@ def kinds(seen: dict[int, tuple[int, str]]) -> set[str]:
 def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker, extra, group):
     """The signal goes to the flywheel process alone or to its process group, in the middle of a
     stage, once Prefect's server and the sandbox run."""
-    config = write_tiny_yaml(tmp_path, *extra)
-    log = tmp_path / "run.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [FLYWHEEL, "run", "--config", str(config)],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own group, as a command a terminal runs in the foreground
-        )
-    watch = ProcessWatch(proc)
+    proc, log, watch, config = start_run(tmp_path, *extra)
     try:
         started = watch.wait(240, until=lambda: marker in log.read_text())
         assert started and proc.poll() is None, f"the run ended early:\n{log.read_text()[-3000:]}"
@@ -247,15 +250,7 @@ def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker
 def test_a_killed_run_leaves_no_prefect_server(tmp_path):
     """SIGKILL runs no clean-up: Prefect's server, in a session of its own (out of reach of a
     signal to our group), must still go with the run (the kernel's parent-death signal)."""
-    config = write_tiny_yaml(tmp_path, "sft.epochs=200", "sft.max_steps=400")
-    log = tmp_path / "run.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [FLYWHEEL, "run", "--config", str(config)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
-    watch = ProcessWatch(proc)
+    proc, log, watch, _ = start_run(tmp_path, "sft.epochs=200", "sft.max_steps=400")
     try:
         started = watch.wait(240, until=lambda: "[round 0] tasks" in log.read_text())
         assert started and proc.poll() is None, f"the run ended early:\n{log.read_text()[-3000:]}"

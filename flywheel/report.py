@@ -365,6 +365,8 @@ def _cell(row: dict[str, Any], col: str) -> str:
         return f"{100 * row['success_rate']:.1f}% ± {100 * row['success_se']:.1f}"
     if col == "recovery_rate" and "recovery_se" in row:
         return f"{100 * row['recovery_rate']:.1f}% ± {100 * row['recovery_se']:.1f}"
+    if col == "recovery_rate" and row.get("failed_episodes") == 0:
+        return "no failures"  # a rate over no episodes: nothing failed, so nothing to recover
     if col == "policy" and "seed" in row:
         return f"{row['policy']} (seed {row['seed']})"
     value = row.get(col, "")

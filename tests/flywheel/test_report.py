@@ -395,6 +395,11 @@ def test_recovery_rate_carries_its_error_over_the_episodes_it_counts(tmp_path):
     assert header.split()[-1] == "recovery_rate"
     assert any(line.startswith("    1") and line.endswith("25.0% ± 2.2") for line in lines), text
     assert "(recovery_rate: of the held-out episodes with an invalid or failed action" in text
+    # no episode with an invalid or failed action: the rate is over nothing, not 0%
+    none_failed = {**summary, "arith/recovery_rate": 0.0, "arith/failed_episodes": 0.0}
+    _put(store, "eval", "evaluate", 2, rows, [rnd.id], summary=none_failed, extra=extra)
+    lines = format_table(collect(store)).splitlines()
+    assert any(line.startswith("    2") and line.endswith("no failures") for line in lines)
     # compare: a recovery line only where every side reports one; B's rate is over its own
     # failed episodes (unpaired): 25.0% ± 2.2 of 400 against 10.0% ± 1.5 of 400
     bare = {k: v for k, v in summary.items() if "recovery" not in k and "failed" not in k}

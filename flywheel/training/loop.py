@@ -45,6 +45,7 @@ Tests: `pytest tests/flywheel/training/test_loop.py` (the 2-rank launcher test i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -67,7 +68,7 @@ from flywheel.config import TrainSection
 from flywheel.progress import Progress
 from flywheel.store import TRAIN_STATE_DIR, host_info
 from flywheel.training import data, losses
-from flywheel.training.prebuild import ensure_extensions_dir
+from flywheel.training.prebuild import ensure_extensions_dir, without_shm_op
 
 BEST_DIR = "_best"  # the best validated weights so far, an HF folder inside out_dir
 
@@ -577,9 +578,14 @@ def init_distributed() -> tuple[int, int]:
         backend = "gloo" if on_cpu else accelerator.communication_backend_name()
         if os.environ["WORLD_SIZE"] == "1":
             # One process: an in-memory rendezvous store, so no TCPStore listens on every
-            # interface (torch's default binds [::]:MASTER_PORT); DeepSpeed then reuses the group.
+            # interface (torch's default binds [::]:MASTER_PORT); DeepSpeed then reuses the group,
+            # without its shared-memory op (an all-reduce between processes: 30-60 s of g++ for
+            # nothing in a fresh environment).
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+            with without_shm_op() if on_cpu else contextlib.nullcontext():
+                deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        else:
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -2,11 +2,15 @@
 
 On a CPU box, DeepSpeed's communication backend JIT-compiles its shared-memory op
 (`deepspeed_shm_comm`) with g++ the first time a process group is created: 30-60 s on a small
-machine, paid by every fresh environment and every test session. This module builds the op once,
-at install time, into a folder inside the virtual environment, and `ensure_extensions_dir()` points
-later processes at that folder, so `deepspeed.initialize` takes about a second.
+machine. The op is DeepSpeed's all-reduce between processes on one host, so a single-process run
+has no use for it: `without_shm_op()` keeps DeepSpeed from loading it there (the embedded default
+and `make demo` train in one process and never build it). Runs with several CPU ranks do load it;
+this module builds it once into a folder inside the virtual environment, and
+`ensure_extensions_dir()` points later processes at that folder, so `deepspeed.initialize` takes
+about a second instead of each fresh environment paying the compile.
 
-Run it after installing (idempotent: a second run finds the cache and only loads it):
+`make install-dev` (and so `make test`, whose two-rank test loads the op) runs it; run it yourself
+before a first multi-rank CPU run (idempotent: a second run finds the cache and only loads it):
 
     python -m flywheel.training.prebuild
 
@@ -20,11 +24,34 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # Ops the training loop may JIT-load. Only the shared-memory comm op is built by default
 # (CPU accelerator); CUDA builds use NCCL and load no op here.
 OPS = ("ShareMemCommBuilder",)
+SHM_OP = "deepspeed_shm_comm"  # the builder's NAME, the key DeepSpeed checks before loading it
+
+
+@contextmanager
+def without_shm_op() -> Iterator[None]:
+    """While inside, DeepSpeed treats the shared-memory comm op as unavailable and does not load it.
+
+    DeepSpeed's torch backend builds the op when it is created (in `deepspeed.init_distributed`)
+    only if its table of compatible ops says yes; a single-process group is created inside this
+    block, so it keeps no op and its collectives go through torch.distributed (gloo). The table is
+    restored on the way out, so a later multi-rank start in the same process is unaffected.
+    """
+    import deepspeed.ops
+
+    table = deepspeed.ops.__compatible_ops__
+    before = table.get(SHM_OP, False)
+    table[SHM_OP] = False
+    try:
+        yield
+    finally:
+        table[SHM_OP] = before
 
 
 def ensure_extensions_dir() -> Path:

@@ -1,8 +1,8 @@
 """The training loop on DeepSpeed (CPU, gloo): losses move, parameters change, ZeRO stages, resume.
 
-Each test builds a tiny LlamaForCausalLM (hidden 32, 2 layers, vocab 64). The first DeepSpeed
-start in a session loads the shared-memory comm op; run `python -m flywheel.training.prebuild`
-once so it is not compiled here.
+Each test builds a tiny LlamaForCausalLM (hidden 32, 2 layers, vocab 64). The first two-rank
+DeepSpeed start in a session loads the shared-memory comm op; `make install-dev` runs
+`python -m flywheel.training.prebuild` once so it is not compiled here.
 """
 
 from __future__ import annotations
@@ -448,6 +448,29 @@ def test_two_ranks_with_length_split_take_as_many_passes(tmp_path: Path) -> None
     assert ranks[0]["steps"] == ranks[1]["steps"] == 4  # 3 batches padded to 4: 2 steps an epoch
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
     assert not torch.allclose(ranks[0]["params"], params(tiny_model()))
+
+
+def test_one_process_does_not_build_the_shared_memory_op(tmp_path: Path) -> None:
+    """A single-process group keeps DeepSpeed from building its shared-memory all-reduce op (g++,
+    30-60 s in a fresh environment, for collectives one process never runs) and leaves DeepSpeed's
+    table of compatible ops as it found it. An empty extensions folder: a build would land there."""
+    script = (
+        "import deepspeed.comm.comm as comm, deepspeed.ops\n"
+        "from flywheel.training import loop\n"
+        "before = dict(deepspeed.ops.__compatible_ops__)\n"
+        "assert before['deepspeed_shm_comm'], before  # the op is there to skip\n"
+        "assert loop.init_distributed() == (0, 1)\n"
+        "assert comm.cdb.shm_comm_op is None, 'the shm op was loaded'\n"
+        "assert deepspeed.ops.__compatible_ops__ == before\n"
+    )
+    extensions = tmp_path / "torch_extensions"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env | {"TORCH_EXTENSIONS_DIR": str(extensions)},
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not extensions.exists() or not any(extensions.iterdir())
 
 
 def test_early_stopping_keeps_the_best_validated_weights(tmp_path: Path) -> None:

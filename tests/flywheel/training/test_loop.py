@@ -465,9 +465,11 @@ def test_one_process_does_not_build_the_shared_memory_op(tmp_path: Path) -> None
     )
     extensions = tmp_path / "torch_extensions"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    # The CPU accelerator even where a GPU is present: the op and its skip are the CPU path's.
+    env |= {"TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu"}
     run = subprocess.run(
-        [sys.executable, "-c", script], env=env | {"TORCH_EXTENSIONS_DIR": str(extensions)},
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert not extensions.exists() or not any(extensions.iterdir())

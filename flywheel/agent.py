@@ -467,9 +467,12 @@ def run_episodes(
     seed: int = 0,
     env_workers: int = 8,
     progress: Callable[[int, int], None] | None = None,
+    with_infos: bool = False,
 ) -> list[dict]:
     """Run ``samples_per_task`` episodes of every task with the policy behind ``engine``; one
-    trajectory row per episode, in task order then sample order (``drive``)."""
+    trajectory row per episode, in task order then sample order (``drive``). ``with_infos``:
+    each row also holds ``infos``, the ``info`` of every step as played (not a contract
+    column: a caller takes what it needs from it)."""
     episodes = [
         Episode(task=task, sample_idx=k, seed=derive_seed(seed, task.task_id, k))
         for task in tasks
@@ -479,6 +482,8 @@ def run_episodes(
         engine, suite, episodes, sampling=sampling, max_steps=max_steps, seed=seed,
         env_workers=env_workers, progress=progress,
     )  # fmt: skip
+    if with_infos:
+        return [{**ep.row(suite.name), "infos": ep.infos} for ep in episodes]
     return [ep.row(suite.name) for ep in episodes]
 
 

@@ -2,15 +2,18 @@
 writes one eval row per episode and the metrics of ALGORITHMS.md per env in the summary.
 
 Retrieval envs (tasks whose meta names ``gold_passages``, as ``wiki``'s do) also get
-``recall_at_5``: each episode's actions are replayed through a fresh env, whose last
-``info["retrieved"]`` lists the passages the episode retrieved (searches are deterministic), so
-finished shards kept after a crash count as well.
+``recall_at_5``: the last step's ``info["retrieved"]`` lists the passages the episode retrieved.
 
 Envs that branch natively (``snapshot()/restore()``: in-process and deterministic, e.g. craft
-and arith) also get ``recovery_rate``: every episode is replayed the same way and its steps
-whose ``info`` flags ``invalid``, ``error`` or ``tool_error`` are counted; among the episodes with
-at least one, the share that still succeeded (``flywheel.metrics``). An env that cannot be
-replayed exactly (a remote server, a workflow) gets no recovery keys.
+and arith) also get ``recovery_rate``: an episode's steps whose ``info`` flags ``invalid``,
+``error`` or ``tool_error`` are counted; among the episodes with at least one, the share that
+still succeeded (``flywheel.metrics``). An env that cannot be replayed exactly (a remote server,
+a workflow) gets no recovery keys.
+
+Both read the step infos of the episodes as this run played them. A shard a crashed run left
+holds no infos (they are not a column): its episodes' actions are replayed through a fresh env,
+which these envs, being deterministic, answer as they did, so the summary is the one an
+uninterrupted run writes.
 
 A policy whose weights equal those of a policy the store already evaluated on the same tasks
 with the same decoding, engine and env settings (the same ``weights_sha256``: a DPO or GRPO step
@@ -24,6 +27,7 @@ episodes and summary are copied under this policy's id, and the manifest names i
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -99,6 +103,7 @@ def run(
         # The same episodes give the same summary (recovery replays included): copied, not redone.
         return w.commit(summary=dict(twin.summary), extra=_extra(policy, reused_from=twin.id))
     ev = cfg.evaluate
+    played: dict[tuple[str, str], list[dict]] = {}  # (env, task_id): its step infos as played
     with rollout_setup(
         cfg, store, policy, tasks, split="test", limit=ev.n_tasks, label="evaluate"
     ) as (
@@ -121,7 +126,9 @@ def run(
                 seed=shard,
                 env_workers=cfg.engine.env_workers,
                 progress=progress,
+                with_infos=True,
             )
+            played.update(((suite.name, ep["task_id"]), ep["infos"]) for ep in episodes)
             difficulty = {t.task_id: t.difficulty for t in chunk}
             return [
                 {
@@ -144,7 +151,7 @@ def run(
         )
     table = w.read_shards()
     frame = cast(pl.DataFrame, pl.from_arrow(table.drop("messages")))
-    replayed = replay_columns(cfg, store, tasks, table)
+    replayed = replay_columns(cfg, store, tasks, table, played=played)
     if replayed is not None:
         frame = frame.join(replayed, on=["env", "task_id"], how="left")
     summary = flatten(summarize(frame))
@@ -221,11 +228,16 @@ def replay_columns(
     *,
     recall: bool = True,
     failed: bool = True,
+    played: Mapping[tuple[str, str], list[dict]] | None = None,
 ) -> pl.DataFrame | None:
-    """(env, task_id, recall_at_5 and/or failed_actions) of every episode that needs a replay:
-    ``recall_at_5`` for tasks that name their gold passages, ``failed_actions`` for envs that
-    branch natively. Each such episode is replayed once for both (envs' episodes in parallel
-    threads: a tool call may run a sandboxed process); None when no episode needs one."""
+    """(env, task_id, recall_at_5 and/or failed_actions) of every episode of the envs that
+    give them: ``recall_at_5`` for tasks that name their gold passages, ``failed_actions`` for
+    envs that branch natively. Both come from an episode's step infos: those in ``played``
+    (keyed by (env, task_id): the episodes this run played) as they are, any other episode's
+    (a shard a crashed run left) by replaying it once through a fresh env (in parallel threads:
+    a tool call may run a sandboxed process), which these envs, being deterministic, answer
+    the same way. None when no env gives either column."""
+    played = played or {}
     rows: list[dict[str, Any]] = []
     columns: set[str] = set()  # what some env computed: rows of the others hold nulls there
     for env_cfg in cfg.envs:
@@ -236,18 +248,22 @@ def replay_columns(
         if not (gold or count):
             continue
         episodes = table.filter(pc.equal(table["env"], env_cfg.name))
-        episodes = episodes.select(["task_id", "messages"]).to_pylist()
+        task_ids = episodes.column("task_id").to_pylist()
+        unplayed = pa.array([(env_cfg.name, t) not in played for t in task_ids], pa.bool_())
+        missing = episodes.filter(unplayed).select(["task_id", "messages"]).to_pylist()
 
         def replay(ep: dict[str, Any], suite: EnvSuite = suite, by_id=by_id) -> list[dict]:
             return replay_infos(suite, by_id[ep["task_id"]], ep["messages"])
 
         with ThreadPoolExecutor(max_workers=max(1, cfg.engine.env_workers)) as pool:
-            replays = list(pool.map(replay, episodes))
+            found = list(pool.map(replay, missing))
+        replayed = dict(zip([ep["task_id"] for ep in missing], found, strict=True))
+        replays = [replayed[t] if t in replayed else played[(env_cfg.name, t)] for t in task_ids]
         columns |= {"recall_at_5"} if gold else set()
         columns |= {"failed_actions"} if count else set()
-        for ep, infos in zip(episodes, replays, strict=True):
-            row: dict[str, Any] = {"env": env_cfg.name, "task_id": ep["task_id"]}
-            passages = by_id[ep["task_id"]].meta.get("gold_passages")
+        for task_id, infos in zip(task_ids, replays, strict=True):
+            row: dict[str, Any] = {"env": env_cfg.name, "task_id": task_id}
+            passages = by_id[task_id].meta.get("gold_passages")
             retrieved = list(infos[-1].get("retrieved", [])) if infos else []
             row["recall_at_5"] = recall_at_k(retrieved, passages) if gold and passages else None
             row["failed_actions"] = count_failed(infos) if count else None

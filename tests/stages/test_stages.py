@@ -20,6 +20,7 @@ import stages.sft
 import stages.tasks
 from flywheel.checkpoint import load_policy, unchanged_checkpoint
 from flywheel.config import load_config
+from flywheel.metrics import flatten, summarize
 from flywheel.store import ArtifactError, Store
 from stages._common import load_tasks
 from tests.conftest import tiny_overrides
@@ -272,6 +273,57 @@ def test_expert_resumed_after_a_crash_summarises_every_env(tmp_path, monkeypatch
         "arith/train_demonstrations": N_TRAIN, "arith2/train_demonstrations": N_TRAIN,
         "arith/val_demonstrations": N_VAL, "arith2/val_demonstrations": N_VAL,
     }  # fmt: skip
+
+
+def test_evaluate_counts_failed_steps_as_played_and_replays_only_a_crashed_runs_shards(
+    tmp_path, monkeypatch
+):
+    """The recovery count comes from the step infos of the episodes evaluate plays, with no
+    replay; after a crash, only the episodes of the shard the killed run left are replayed, and
+    the summary is the one an uninterrupted run writes (and the one replaying every episode
+    gives)."""
+    cfg = load_config(None, [*tiny_overrides(tmp_path), "evaluate.shard_size=4"])
+    clean, crashed = Store(str(tmp_path / "clean"), "tiny"), Store(str(tmp_path / "crash"), "tiny")
+    for store in (clean, crashed):
+        train, val, test = stages.tasks.run(cfg, store)
+        init = stages.init.run(cfg, store, stages.expert.run(cfg, store, train, val), train)
+    replayed: list[str] = []
+    replay_infos = stages.evaluate.replay_infos
+
+    def counted(suite, task, messages):
+        replayed.append(task.task_id)
+        return replay_infos(suite, task, messages)
+
+    monkeypatch.setattr(stages.evaluate, "replay_infos", counted)
+    whole = stages.evaluate.run(cfg, clean, init, test, round=0)
+    assert replayed == []
+    assert whole.summary["arith/failed_episodes"] > 0  # the untrained policy's actions fail
+    everything = stages.evaluate.replay_columns(cfg, clean, test, clean.read(whole))
+    assert len(replayed) == N_TEST and everything is not None
+    frame = pl.from_arrow(clean.read(whole).drop("messages")).join(
+        everything, on=["env", "task_id"]
+    )
+    assert (
+        flatten(summarize(frame))["arith/failed_episodes"] == whole.summary["arith/failed_episodes"]
+    )
+
+    run_episodes, calls = stages.evaluate.run_episodes, []
+
+    def killed_on_the_second_shard(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return run_episodes(*args, **kwargs)
+
+    monkeypatch.setattr(stages.evaluate, "run_episodes", killed_on_the_second_shard)
+    with pytest.raises(RuntimeError, match="killed"):
+        stages.evaluate.run(cfg, crashed, init, test, round=0)
+    monkeypatch.setattr(stages.evaluate, "run_episodes", run_episodes)
+    replayed.clear()
+    resumed = stages.evaluate.run(cfg, crashed, init, test, round=0)
+    first = pl.from_arrow(crashed.read(resumed, columns=["task_id"]))["task_id"].head(4)
+    assert sorted(replayed) == sorted(first.to_list())  # the crashed run's shard only
+    assert resumed.id == whole.id and resumed.summary == whole.summary
 
 
 def test_explore_rounds_take_successive_windows_of_the_train_tasks(chain):

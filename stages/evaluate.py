@@ -41,6 +41,7 @@ from flywheel.engines.base import SamplingParams
 from flywheel.envs import EnvSuite, Task, make_suite
 from flywheel.envs.base import has_snapshot
 from flywheel.metrics import flatten, recall_at_k, summarize
+from flywheel.progress import say
 from flywheel.store import ArtifactError, ArtifactRef, Store
 from stages._common import load_tasks, rollout_setup, run_in_shards
 
@@ -237,6 +238,7 @@ def replay_columns(
     (a shard a crashed run left) by replaying it once through a fresh env (in parallel threads:
     a tool call may run a sandboxed process), which these envs, being deterministic, answer
     the same way. None when no env gives either column."""
+    resumed = played is not None  # given what this run played: the rest a crashed run left
     played = played or {}
     rows: list[dict[str, Any]] = []
     columns: set[str] = set()  # what some env computed: rows of the others hold nulls there
@@ -251,6 +253,10 @@ def replay_columns(
         task_ids = episodes.column("task_id").to_pylist()
         unplayed = pa.array([(env_cfg.name, t) not in played for t in task_ids], pa.bool_())
         missing = episodes.filter(unplayed).select(["task_id", "messages"]).to_pylist()
+        if resumed and missing:
+            say(
+                f"evaluate: replaying the {len(missing)} {env_cfg.name} episodes a crashed run left"
+            )
 
         def replay(ep: dict[str, Any], suite: EnvSuite = suite, by_id=by_id) -> list[dict]:
             return replay_infos(suite, by_id[ep["task_id"]], ep["messages"])

@@ -276,7 +276,7 @@ def test_expert_resumed_after_a_crash_summarises_every_env(tmp_path, monkeypatch
 
 
 def test_evaluate_counts_failed_steps_as_played_and_replays_only_a_crashed_runs_shards(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     """The recovery count comes from the step infos of the episodes evaluate plays, with no
     replay; after a crash, only the episodes of the shard the killed run left are replayed, and
@@ -296,7 +296,7 @@ def test_evaluate_counts_failed_steps_as_played_and_replays_only_a_crashed_runs_
 
     monkeypatch.setattr(stages.evaluate, "replay_infos", counted)
     whole = stages.evaluate.run(cfg, clean, init, test, round=0)
-    assert replayed == []
+    assert replayed == [] and "replaying" not in capsys.readouterr().out
     assert whole.summary["arith/failed_episodes"] > 0  # the untrained policy's actions fail
     everything = stages.evaluate.replay_columns(cfg, clean, test, clean.read(whole))
     assert len(replayed) == N_TEST and everything is not None
@@ -320,7 +320,9 @@ def test_evaluate_counts_failed_steps_as_played_and_replays_only_a_crashed_runs_
         stages.evaluate.run(cfg, crashed, init, test, round=0)
     monkeypatch.setattr(stages.evaluate, "run_episodes", run_episodes)
     replayed.clear()
+    capsys.readouterr()
     resumed = stages.evaluate.run(cfg, crashed, init, test, round=0)
+    assert "replaying the 4 arith episodes a crashed run left" in capsys.readouterr().out
     first = pl.from_arrow(crashed.read(resumed, columns=["task_id"]))["task_id"].head(4)
     assert sorted(replayed) == sorted(first.to_list())  # the crashed run's shard only
     assert resumed.id == whole.id and resumed.summary == whole.summary

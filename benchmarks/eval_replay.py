@@ -21,7 +21,7 @@ import time
 
 from flywheel.config import load_config
 from flywheel.envs import make_suite
-from flywheel.store import Store
+from flywheel.store import ArtifactError, Store
 from stages._common import load_tasks
 from stages.evaluate import replay_columns, replay_infos
 
@@ -36,22 +36,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="configs/default.yaml", help="the run's config")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     cfg = load_config(args.config)
     store = Store(args.store, args.run)
-    ev = store.get(args.eval) if args.eval else store.latest("evaluate", round=0)
+    try:
+        ev = store.get(args.eval) if args.eval else store.latest("evaluate", round=0)
+    except ArtifactError as err:
+        raise SystemExit(str(err)) from None
     if ev is None:
         raise SystemExit(f"no round-0 evaluation in {args.store} (run `make demo` first)")
+    if ev.stage != "evaluate":
+        raise SystemExit(f"{ev.id} is not an evaluation (its stage: {ev.stage})")
     tasks = next(store.get(i) for i in ev.inputs if i.startswith("tasks-"))
     table = store.read(ev)
+    episodes = table.select(["env", "task_id", "messages"]).to_pylist()
     played = {}
     for env_cfg in cfg.envs:
         suite = make_suite(env_cfg)
         by_id = {t.task_id: t for t in load_tasks(store, tasks, env=env_cfg.name, split="test")}
-        for row in table.select(["env", "task_id", "messages"]).to_pylist():
-            if row["env"] == env_cfg.name:
-                played[(row["env"], row["task_id"])] = replay_infos(
-                    suite, by_id[row["task_id"]], row["messages"]
-                )
+        for row in (r for r in episodes if r["env"] == env_cfg.name):
+            infos = replay_infos(suite, by_id[row["task_id"]], row["messages"])
+            played[(row["env"], row["task_id"])] = infos
     times: dict[str, list[float]] = {"infos as played": [], "replay every episode": []}
     frames = {}
     for _ in range(args.repeats):

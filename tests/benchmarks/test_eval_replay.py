@@ -48,3 +48,20 @@ def test_columns_that_differ_are_caught(evaluated, monkeypatch):
     monkeypatch.setattr(stages.evaluate, "count_failed", off_by_one_the_second_time)
     with pytest.raises(AssertionError, match="columns differ"):
         eval_replay.main([*args, "--repeats", "1"])
+
+
+def test_bad_input_is_one_line(evaluated, tmp_path, capsys):
+    args, ev = evaluated
+    init = next(i for i in ev.inputs if i.startswith("init-"))
+    for extra, message in (
+        (["--eval", "evaluate-000000000000"], "no artifact evaluate-000000000000"),
+        (["--eval", init], rf"{init} is not an evaluation \(its stage: init\)"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            eval_replay.main([*args, *extra])
+    empty = ["--store", str(tmp_path / "empty"), *args[2:]]
+    with pytest.raises(SystemExit, match="no round-0 evaluation"):
+        eval_replay.main(empty)
+    with pytest.raises(SystemExit):
+        eval_replay.main([*args, "--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err

@@ -448,6 +448,10 @@ class SftConfig(SftLossSection):
         ge=1,
         description='Round 0: train the bootstrap this many times from the initial policy, with data orders train_seed, + 1, ..., each until validation stops it, and keep the run with the best validation score. A run from scratch can stop on a plateau that another data order leaves (docs/results.md, "The bootstrap\'s plateau"); costs up to this many bootstraps. Needs val_every > 0.',
     )
+    restart_until: float | None = Field(
+        default=None,
+        description="Round 0 with restarts > 1: train no more runs once one reaches this best validation score (the score the log prints: minus the val loss for val_metric loss, so -0.25 stops at the first run below val loss 0.25). A run that leaves the plateau costs one bootstrap; only a stuck one pays for the next. null: train all the restarts.",
+    )
 
     @model_validator(mode="after")
     def _restarts_need_validation(self) -> SftConfig:
@@ -456,22 +460,31 @@ class SftConfig(SftLossSection):
                 f"restarts ({self.restarts}) keeps the run with the best validation score, "
                 "so it needs val_every > 0"
             )
+        if self.restart_until is not None and self.restarts < 2:
+            raise ValueError(
+                f"restart_until ({self.restart_until}) stops the restarts early, "
+                f"so it needs restarts > 1 (got {self.restarts})"
+            )
         return self
 
     def result_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
-        """As for any training section, without ``restarts``: it says how many runs the
-        bootstrap makes, not what one of them computes (train-state fingerprints)."""
-        return super().result_dump({"restarts"} | (exclude or set()))
+        """As for any training section, without ``restarts`` and ``restart_until``: they say
+        how many runs the bootstrap makes, not what one of them computes (train-state
+        fingerprints)."""
+        return super().result_dump({"restarts", "restart_until"} | (exclude or set()))
 
     def artifact_dump(self, exclude: set[str] | None = None) -> dict[str, Any]:
         """As for any training section; ``round_patience`` only when set, so runs from before
         the field keep their ids. ``replay`` never: it decides which explorations the step
-        reads, and their ids are among its inputs. ``restarts`` only above 1 (and never in
-        rounds >= 1, which exclude it: they do not restart)."""
+        reads, and their ids are among its inputs. ``restarts`` only above 1 and
+        ``restart_until`` only when set (and neither in rounds >= 1, which exclude them: they do
+        not restart)."""
         skip = {"round_patience"} if self.round_patience is None else set()
         dump = super().artifact_dump(skip | {"replay"} | (exclude or set()))
         if self.restarts > 1 and "restarts" not in (exclude or set()):
             dump["restarts"] = self.restarts
+        if self.restart_until is not None and "restart_until" not in (exclude or set()):
+            dump["restart_until"] = self.restart_until
         return dump
 
 

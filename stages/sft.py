@@ -52,7 +52,7 @@ from stages._common import (
 # Read by the SFT steps of rounds >= 1 only.
 ROUND_FIELDS = {"with_expert", "round_val_metric", "round_lr", "round_patience", "replay"}
 # Read by round 0 only.
-BOOTSTRAP_FIELDS = {"restarts"}
+BOOTSTRAP_FIELDS = {"restarts", "restart_until"}
 # Where sft.restarts trains each run, inside the artifact's folder, and what each leaves there.
 RESTART_DIR, RESTART_RESULT = "restart", "result.json"
 
@@ -153,8 +153,9 @@ def run(
     extra: dict[str, Any] = {}
     if round == 0 and sc.restarts > 1:
         result, extra["restarts"] = train_restarts(
-            train, store, policy, model, out, cfg.train_seed, sc.restarts, log
-        )
+            train, store, policy, model, out, cfg.train_seed, sc.restarts, log,
+            until=sc.restart_until,
+        )  # fmt: skip
     else:
         result = train(model, seed=cfg.train_seed, out_dir=out, log=log)
     write_train_log(out, result.history)
@@ -176,6 +177,7 @@ def train_restarts(
     seed: int,
     restarts: int,
     log: Callable[[dict], None] | None,
+    until: float | None = None,
 ) -> tuple[TrainResult, list[dict[str, Any]]]:
     """The bootstrap trained ``restarts`` times from ``policy`` with data orders seed, seed + 1,
     ...; the run with the best validation score (the earliest on a tie) is kept: its weights
@@ -183,7 +185,8 @@ def train_restarts(
     ``out/restart-K`` and leaves its TrainResult there (``result.json``), so a rerun after a
     crash keeps the runs that finished (and resumes the one that did not from its train
     state); once all have finished only those results stay, as the artifact's record of the
-    runs it chose from. Returns the kept run's result and one summary row per run."""
+    runs it chose from. With ``until``, no further run starts once one reaches that best
+    validation score. Returns the kept run's result and one summary row per run made."""
     results: list[TrainResult] = []
     for k in range(restarts):
         folder = out / f"{RESTART_DIR}-{k}"
@@ -191,16 +194,24 @@ def train_restarts(
         if done.is_file():
             results.append(TrainResult(**json.loads(done.read_text())))
             say(f"sft: restart {k + 1}/{restarts} (seed {seed + k}) finished before: read back")
-            continue
-        say(f"sft: restart {k + 1}/{restarts}, data order seed {seed + k}")
-        start = model if k == 0 else load_policy(store, policy)[0]
-        result = train(start, seed=seed + k, out_dir=folder, log=None)
-        tmp = done.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(result)))
-        os.replace(tmp, done)  # a rerun never reads half a result
-        results.append(result)
+        else:
+            say(f"sft: restart {k + 1}/{restarts}, data order seed {seed + k}")
+            start = model if k == 0 else load_policy(store, policy)[0]
+            result = train(start, seed=seed + k, out_dir=folder, log=None)
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps(dataclasses.asdict(result)))
+            os.replace(tmp, done)  # a rerun never reads half a result
+            results.append(result)
+        score = results[-1].best_score
+        if until is not None and k + 1 < restarts and score is not None and score >= until:
+            say(
+                f"sft: restart {k + 1}/{restarts} reached val score {score:.4f} "
+                f"(restart_until {until}): no further restarts"
+            )
+            break
+    made = len(results)
     scores = [r.best_score if r.best_score is not None else -math.inf for r in results]
-    best = max(range(restarts), key=lambda k: (scores[k], -k))
+    best = max(range(made), key=lambda k: (scores[k], -k))
     chosen = out / f"{RESTART_DIR}-{best}"
     for item in chosen.iterdir():  # a rerun after a crash here moves what is left
         if item.name != RESTART_RESULT and not item.name.startswith("_"):
@@ -208,7 +219,7 @@ def train_restarts(
             if target.is_dir():
                 shutil.rmtree(target)
             os.replace(item, target)
-    for k in range(restarts):  # the kept weights are in `out` now; the others are not kept
+    for k in range(made):  # the kept weights are in `out` now; the others are not kept
         for item in (out / f"{RESTART_DIR}-{k}").iterdir():
             if item.name != RESTART_RESULT:
                 shutil.rmtree(item) if item.is_dir() else item.unlink()
@@ -220,10 +231,10 @@ def train_restarts(
         }
         for k, r in enumerate(results)
     ]  # fmt: skip
-    others = ", ".join(f"seed {seed + k}: {scores[k]:.4f}" for k in range(restarts) if k != best)
+    others = ", ".join(f"seed {seed + k}: {scores[k]:.4f}" for k in range(made) if k != best)
     say(
         f"sft: kept restart {best + 1}/{restarts} (seed {seed + best}, val score "
-        f"{scores[best]:.4f}; {others})"
+        f"{scores[best]:.4f}{'; ' + others if others else ''})"
     )
     if log is not None:
         for record in results[best].history:

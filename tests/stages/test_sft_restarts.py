@@ -164,3 +164,39 @@ def test_restarts_are_hashed_only_when_above_one_and_only_in_round_0(tmp_path):
 def test_restarts_without_validation_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"restarts \(2\) keeps the run with the best validation"):
         load_config(None, tiny_overrides(tmp_path, "sft.restarts=2", "sft.val_every=0"))
+
+
+def test_restart_until_stops_at_the_first_run_that_reaches_it(tmp_path):
+    cfg, store, init, expert = _bootstrap_inputs(tmp_path / "all", "sft.restarts=3")
+    scores = [r["best_score"] for r in _sft(cfg, store, init, expert).summary["restarts"]]
+
+    def runs_with(until: float, name: str) -> list[dict]:
+        cfg, store, init, expert = _bootstrap_inputs(
+            tmp_path / name, "sft.restarts=3", f"sft.restart_until={until!r}"
+        )
+        return _sft(cfg, store, init, expert).summary["restarts"]
+
+    # The first run reaches its own score: no further run starts, and it is kept.
+    first = runs_with(scores[0], "first")
+    assert [(r["seed"], r["best_score"], r["kept"]) for r in first] == [(0, scores[0], True)]
+    # A score no run reaches: all three, as without restart_until.
+    assert [r["best_score"] for r in runs_with(1e9, "never")] == scores
+    # Just above the first run's score: the runs stop at the first that reaches it.
+    until = scores[0] + 1e-9
+    made = next((k + 1 for k, s in enumerate(scores) if s >= until), 3)
+    some = runs_with(until, "some")
+    assert [r["seed"] for r in some] == list(range(made))
+    assert [r["kept"] for r in some].index(True) == max(range(made), key=lambda k: scores[k])
+
+
+def test_restart_until_is_hashed_only_when_set_and_needs_restarts(tmp_path):
+    three = load_config(None, tiny_overrides(tmp_path, *RESTARTS, "sft.restarts=3"))
+    until = load_config(
+        None, tiny_overrides(tmp_path, *RESTARTS, "sft.restarts=3", "sft.restart_until=-0.25")
+    )
+    assert "restart_until" not in stages.sft.artifact_config(three, 0)["sft"]
+    assert stages.sft.artifact_config(until, 0)["sft"]["restart_until"] == -0.25
+    assert stages.sft.artifact_config(three, 1) == stages.sft.artifact_config(until, 1)
+    assert "restart_until" not in until.sft.result_dump()
+    with pytest.raises(ConfigError, match=r"restart_until \(-0.25\) .* needs restarts > 1"):
+        load_config(None, tiny_overrides(tmp_path, "sft.restart_until=-0.25"))

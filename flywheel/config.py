@@ -450,7 +450,7 @@ class SftConfig(SftLossSection):
     )
     restart_until: float | None = Field(
         default=None,
-        description="Round 0 with restarts > 1: train no more runs once one reaches this best validation score (the score the log prints: minus the val loss for val_metric loss, so -0.25 stops at the first run below val loss 0.25). A run that leaves the plateau costs one bootstrap; only a stuck one pays for the next. null: train all the restarts.",
+        description="Round 0 with restarts > 1: train no more runs once one reaches this best validation score (the score the log prints: minus the val loss for val_metric loss, so -0.25 stops at the first run below val loss 0.25). A run that leaves the plateau costs one bootstrap; only a stuck one pays for the next. null: train all the restarts. Ignored (and not hashed) with restarts 1.",
     )
 
     @model_validator(mode="after")
@@ -459,11 +459,6 @@ class SftConfig(SftLossSection):
             raise ValueError(
                 f"restarts ({self.restarts}) keeps the run with the best validation score, "
                 "so it needs val_every > 0"
-            )
-        if self.restart_until is not None and self.restarts < 2:
-            raise ValueError(
-                f"restart_until ({self.restart_until}) stops the restarts early, "
-                f"so it needs restarts > 1 (got {self.restarts})"
             )
         return self
 
@@ -477,13 +472,15 @@ class SftConfig(SftLossSection):
         """As for any training section; ``round_patience`` only when set, so runs from before
         the field keep their ids. ``replay`` never: it decides which explorations the step
         reads, and their ids are among its inputs. ``restarts`` only above 1 and
-        ``restart_until`` only when set (and neither in rounds >= 1, which exclude them: they do
+        ``restart_until`` only when set with them (and neither in rounds >= 1, which exclude them: they do
         not restart)."""
         skip = {"round_patience"} if self.round_patience is None else set()
         dump = super().artifact_dump(skip | {"replay"} | (exclude or set()))
         if self.restarts > 1 and "restarts" not in (exclude or set()):
             dump["restarts"] = self.restarts
-        if self.restart_until is not None and "restart_until" not in (exclude or set()):
+        if self.restarts > 1 and self.restart_until is not None and "restart_until" not in (
+            exclude or set()
+        ):
             dump["restart_until"] = self.restart_until
         return dump
 

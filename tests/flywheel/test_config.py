@@ -243,6 +243,8 @@ CRAFT_STUDY_OVERRIDES = [
     "rft.micro_batch_size=32",
     "rft.repeats=2",
     "baselines=[rft,sft_more]",
+    "sft.restarts=1",
+    "sft.restart_until=null",
 ]
 
 
@@ -277,6 +279,8 @@ ARITH_BAR_OVERRIDES = [
     "baselines=[rft,sft_more]",
     "iteration.steps=[grpo,sft]",
     "grpo.lr=1e-4",
+    "sft.restarts=1",
+    "sft.restart_until=null",
 ]
 
 

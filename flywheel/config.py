@@ -478,8 +478,10 @@ class SftConfig(SftLossSection):
         dump = super().artifact_dump(skip | {"replay"} | (exclude or set()))
         if self.restarts > 1 and "restarts" not in (exclude or set()):
             dump["restarts"] = self.restarts
-        if self.restarts > 1 and self.restart_until is not None and "restart_until" not in (
-            exclude or set()
+        if (
+            self.restarts > 1
+            and self.restart_until is not None
+            and "restart_until" not in (exclude or set())
         ):
             dump["restart_until"] = self.restart_until
         return dump

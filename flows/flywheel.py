@@ -37,6 +37,7 @@ import stages.sft
 import stages.sft_more
 import stages.splice
 import stages.tasks
+from flows.walk import splices
 from flywheel.config import BASELINES, Config, load_config
 from flywheel.html_report import write_html
 from flywheel.progress import say  # stdout once, and the flow run's logs in Prefect
@@ -369,21 +370,6 @@ def baselines(
             _step(plan, "evaluate", round, ref, boot["test"])
             if plan.stop_at == (name, round) and k == section.repeats - 1:
                 raise StopAfter(ref)  # a baseline's rerun ends with its evaluation
-
-
-# The stages of a round that run before splice (a walk stopped at one of them in round 1
-# never splices).
-BEFORE_SPLICE = ("explore", "pareto", "reflect", "mcts")
-
-
-def splices(cfg: Config, rounds: int, stop_at: tuple[str, int] | None = None) -> bool:
-    """Whether a walk of ``rounds`` rounds (stopped at ``stop_at``) reaches a splice stage."""
-    if rounds < 1 or "mcts" not in cfg.iteration.data:
-        return False
-    if stop_at is None:
-        return True
-    name, round = stop_at
-    return round >= 2 or round == 1 and name not in BEFORE_SPLICE
 
 
 def check_run(cfg: Config, rounds: int, stop_at: tuple[str, int] | None = None) -> None:

@@ -45,11 +45,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -118,9 +120,16 @@ def _drain_prefect() -> None:
             service.drain_all(timeout=STOP_GRACE_S)
 
 
-def _start_prefect_server() -> None:
+def _start_prefect_server(beside: Callable[[], object] | None = None) -> None:
     """Start Prefect's temporary server (the one a flow uses when PREFECT_API_URL is unset) in
     a session of its own that ends with this process.
+
+    ``beside``: work to do while the server starts (``flywheel run`` imports the stages, about
+    18 s on 2 cores before their ``.pyc`` files exist, and the server's first start takes about
+    20 s: it creates its database). It runs in a thread from the moment the server's process is
+    started until the server answers, and its exception is raised here. The process is started
+    from this (the main) thread before that thread exists: ``PR_SET_PDEATHSIG`` fires when the
+    thread that forked a child ends, and a fork copies no lock the other thread holds.
 
     Started by Prefect, it shares our process group, so a terminal's Ctrl-C or a
     ``kill -- -PGID`` stops it at the same moment as us; Prefect then spends a minute or more
@@ -132,8 +141,10 @@ def _start_prefect_server() -> None:
     key, is the one its clients ask for."""
     from prefect.settings import PREFECT_API_URL
 
+    work = _Beside(beside)
     if PREFECT_API_URL.value():
-        return  # a server of the user's (flywheel serve, or their own): not ours to start
+        work.join()  # a server of the user's (flywheel serve, or their own): not ours to start
+        return
     import functools
     import subprocess
 
@@ -155,8 +166,41 @@ def _start_prefect_server() -> None:
                 return super()._run_uvicorn_command()
             finally:
                 subprocess.Popen = popen  # type: ignore[misc]
+                work.start()  # the server's process exists: the work runs beside its start
 
-    OwnSessionServer().start()
+    OwnSessionServer().start()  # on a stop signal the work's thread is left (a daemon)
+    work.join()  # runs it here if no process was started (the server was already up)
+
+
+class _Beside:
+    """A callable run once in a daemon thread (``start``), or here if never started (``join``);
+    ``join`` raises what it raised."""
+
+    def __init__(self, fn: Callable[[], object] | None) -> None:
+        import threading
+
+        self.fn = fn
+        self.failed: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, name="beside-server-start", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            if self.fn is not None:
+                self.fn()
+        except BaseException as err:  # raised by join, in the calling thread
+            self.failed.append(err)
+
+    def start(self) -> None:
+        if self.thread.ident is None:  # once: Prefect starts the process again on a port clash
+            self.thread.start()
+
+    def join(self) -> None:
+        if self.thread.ident is None:
+            self._run()
+        else:
+            self.thread.join()
+        if self.failed:
+            raise self.failed[0]
 
 
 def _environment() -> None:
@@ -598,30 +642,36 @@ def _dispatch(args: argparse.Namespace) -> int:
         # A bad input is a one-line error here; inside the flow Prefect would first log a
         # traceback (and start its server, ~15 s) before the error reached us.
         cfg = load_config(_config_path(args.config), args.overrides)
-        if args.command == "run":
-            explores = (args.rounds if args.rounds is not None else cfg.run.rounds) > 0
-        else:
-            explores = args.name in ("explore", "mcts")
+        rounds = cfg.run.rounds if getattr(args, "rounds", None) is None else args.rounds
+        explores = rounds > 0 if args.command == "run" else args.name in ("explore", "mcts")
         _preflight(cfg, explores=explores)
         home = _prefect_home(cfg.run.work_dir)
         new = _missing(home)
+        # A run that never splices has no check left that needs the stages (check_run checks
+        # splices only), so Prefect's server starts now, beside the stages' imports (about 18 s
+        # on 2 cores before their .pyc files exist). A stage or a splicing run is checked first.
+        from flows.walk import splices
+
+        early = args.command == "run" and not splices(cfg, rounds)
         try:
             # Prefect's import wants its home to exist (it warns otherwise)
             home.mkdir(parents=True, exist_ok=True)
+            if early:
+                _start_prefect_server(beside=lambda: importlib.import_module("flows.flywheel"))
             from flows.flywheel import check_plan, check_run
 
             if args.command == "stage":
                 check_plan(cfg, args.name, args.round)
                 check_run(cfg, max(args.round, 0), stop_at=(args.name, args.round))
             else:
-                check_run(cfg, args.rounds if args.rounds is not None else cfg.run.rounds)
+                check_run(cfg, rounds)
         except BaseException:
             for folder in new:  # a refused command leaves nothing behind
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
             raise
-    if args.command in ("run", "stage"):
-        _start_prefect_server()
+        if not early:
+            _start_prefect_server()
     if args.command == "run":
         from flows.flywheel import flywheel_flow
 

@@ -27,6 +27,10 @@ from types import TracebackType
 import httpx
 
 _PR_SET_PDEATHSIG = 1
+# Loaded here, in the parent: a child forked from a process with threads (flywheel run waits for
+# Prefect's server in one) must not dlopen before exec, since another thread may hold the
+# loader's lock at the fork.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 class ServerStartError(RuntimeError):
@@ -42,9 +46,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def die_with_parent(parent: int) -> None:
     """Runs in the child before exec (``preexec_fn``): SIGTERM when the parent goes, even by
     SIGKILL."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
 

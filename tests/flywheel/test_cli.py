@@ -122,7 +122,7 @@ def test_a_round_that_splices_an_env_without_a_noop_fails_before_any_work(tmp_pa
     assert_one_line_error(rc, err, "splice: env arith names no no-op action")
     assert folders(Path(cfg.run.store_root())) == set()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.yaml"]  # no work folder either
-    from flows.flywheel import splices
+    from flows.walk import splices  # light: the CLI asks it before importing the stages
 
     with_mcts = load_config(path, mcts)
     assert splices(with_mcts, 2) and not splices(with_mcts, 0)
@@ -134,6 +134,34 @@ def test_a_round_that_splices_an_env_without_a_noop_fails_before_any_work(tmp_pa
     import stages.splice
 
     stages.splice.check_envs(load_config(None, tiny_overrides(tmp_path, *mcts)))
+
+
+def test_work_beside_the_server_start_runs_once_and_raises_in_the_caller():
+    """``_Beside`` (what `flywheel run` imports while Prefect's server starts): run in its own
+    thread once started, however often; in the caller when never started (a server already up);
+    its exception raised by ``join``, in the caller."""
+    import threading
+
+    from flywheel.cli import _Beside
+
+    ran: list[str] = []
+    work = _Beside(lambda: ran.append(threading.current_thread().name))
+    work.start()
+    work.start()
+    work.join()
+    assert ran == ["beside-server-start"]
+    inline = _Beside(lambda: ran.append(threading.current_thread().name))
+    inline.join()
+    assert ran[1:] == [threading.current_thread().name]
+
+    def fails() -> None:
+        raise ImportError("no module named stages")
+
+    broken = _Beside(fails)
+    broken.start()
+    with pytest.raises(ImportError, match="no module named stages"):
+        broken.join()
+    _Beside(None).join()  # nothing to do: returns
 
 
 def test_a_revision_thought_the_tokenizer_cannot_spell_fails_before_any_work(tmp_path, capsys):

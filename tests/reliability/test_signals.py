@@ -246,6 +246,27 @@ def test_signal_stops_the_run_and_everything_it_started(tmp_path, signum, marker
     )
 
 
+def test_a_signal_while_prefect_starts_beside_the_imports_stops_the_run(tmp_path):
+    """`flywheel run` starts Prefect's server and imports the stages in a thread beside it
+    (flywheel/cli.py, ``_start_prefect_server``): SIGTERM in that window, before the flow
+    prints its config, still ends in one line, exit 128 + 15 and nothing left running."""
+    proc, log, watch, _ = start_run(tmp_path)
+    try:
+        started = watch.wait(120, until=lambda: "prefect-server" in kinds(watch.seen))
+        assert started and proc.poll() is None, f"the run ended early:\n{log.read_text()[-3000:]}"
+        assert "config:" not in log.read_text(), "the flow had started: not the window tested"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert watch.wait(60), "the run did not stop within 60 s of the signal"
+        left = watch.survivors()
+        assert not left, f"left running after SIGTERM: {left}"
+    finally:
+        watch.kill_all()
+    printed = log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, printed[-3000:]
+    assert "flywheel: interrupted" in printed
+    assert "Traceback" not in printed and "Fatal Python error" not in printed, printed[-3000:]
+
+
 @pytest.mark.slow
 def test_a_killed_run_leaves_no_prefect_server(tmp_path):
     """SIGKILL runs no clean-up: Prefect's server, in a session of its own (out of reach of a

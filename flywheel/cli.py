@@ -265,7 +265,7 @@ def _check_writable(path: Path, key: str) -> None:
 def _preflight(cfg: Any, *, explores: bool) -> None:
     """Everything a run reads or writes that can be checked before Prefect starts;
     ``explores``: a stage will train on the engine's rollouts."""
-    from flywheel.config import ConfigError, TrainSection
+    from flywheel.config import ConfigError, TrainSection, rank_count
     from flywheel.engines import check_engine
     from flywheel.envs import make_suite
 
@@ -273,7 +273,6 @@ def _preflight(cfg: Any, *, explores: bool) -> None:
         make_suite(env)  # unknown env, bad import path, bad options: one-line errors
     if cfg.model.base is not None and not Path(cfg.model.base).is_dir():
         raise ConfigError(f"config error: model.base: no such folder {cfg.model.base}")
-    from flywheel.training.launch import rank_count
 
     for name in type(cfg).model_fields:
         section = getattr(cfg, name)

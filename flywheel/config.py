@@ -408,6 +408,34 @@ class TrainSection(Section):
         return in_checkout if in_checkout.is_file() else path
 
 
+def rank_count(cfg: TrainSection) -> int:
+    """Ranks the run uses: the hostfile's slots when there is one, else cfg.world_size."""
+    if cfg.hostfile is None:
+        return cfg.world_size
+    path = Path(cfg.hostfile)
+    if not path.is_file():
+        raise ConfigError(f"config error: hostfile: no such file {cfg.hostfile}")
+    slots = 0
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"\S+\s+slots=(\d+)", line)
+        if match is None:
+            raise ConfigError(
+                f"config error: hostfile {cfg.hostfile}: expected 'host slots=N', got {line!r}"
+            )
+        slots += int(match.group(1))
+    if slots == 0:
+        raise ConfigError(f"config error: hostfile {cfg.hostfile} names no slots")
+    if cfg.grad_accum % slots:
+        raise ConfigError(
+            f"config error: grad_accum ({cfg.grad_accum}) must be a multiple of the hostfile's "
+            f"{slots} slots: the ranks share each step's micro-batches"
+        )
+    return slots
+
+
 class SftLossSection(TrainSection):
     """A training section whose loss is the masked CE (sft, sft_more, rft)."""
 

@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 
 import flywheel.config
-from flywheel.config import ConfigError, TrainSection
+from flywheel.config import TrainSection, rank_count
 from flywheel.progress import say
 from flywheel.training import data
 from flywheel.training.loop import LossParams, TrainResult, _free_port, train
@@ -124,34 +124,6 @@ def run_training(
             if "loss" in record:  # not the validation before the first step
                 log(record)
     return result
-
-
-def rank_count(cfg: TrainSection) -> int:
-    """Ranks the run uses: the hostfile's slots when there is one, else cfg.world_size."""
-    if cfg.hostfile is None:
-        return cfg.world_size
-    path = Path(cfg.hostfile)
-    if not path.is_file():
-        raise ConfigError(f"config error: hostfile: no such file {cfg.hostfile}")
-    slots = 0
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"\S+\s+slots=(\d+)", line)
-        if match is None:
-            raise ConfigError(
-                f"config error: hostfile {cfg.hostfile}: expected 'host slots=N', got {line!r}"
-            )
-        slots += int(match.group(1))
-    if slots == 0:
-        raise ConfigError(f"config error: hostfile {cfg.hostfile} names no slots")
-    if cfg.grad_accum % slots:
-        raise ConfigError(
-            f"config error: grad_accum ({cfg.grad_accum}) must be a multiple of the hostfile's "
-            f"{slots} slots: the ranks share each step's micro-batches"
-        )
-    return slots
 
 
 def launch_command(cfg: TrainSection, folder: Path, port: int) -> list[str]:

@@ -124,9 +124,9 @@ def _start_prefect_server(beside: Callable[[], object] | None = None) -> None:
     """Start Prefect's temporary server (the one a flow uses when PREFECT_API_URL is unset) in
     a session of its own that ends with this process.
 
-    ``beside``: work to do while the server starts (``flywheel run`` imports the stages, about
-    18 s on 2 cores before their ``.pyc`` files exist, and the server's first start takes about
-    20 s: it creates its database). It runs in a thread from the moment the server's process is
+    ``beside``: work to do while the server starts (``flywheel run``'s ``_get_ready``: about
+    18 s of imports on 2 cores before their ``.pyc`` files exist, and 9 s for MLflow's database;
+    the server's first start takes about 20 s, creating its own). It runs in a thread from the moment the server's process is
     started until the server answers, and its exception is raised here. The process is started
     from this (the main) thread before that thread exists: ``PR_SET_PDEATHSIG`` fires when the
     thread that forked a child ends, and a fork copies no lock the other thread holds.
@@ -170,6 +170,18 @@ def _start_prefect_server(beside: Callable[[], object] | None = None) -> None:
 
     OwnSessionServer().start()  # on a stop signal the work's thread is left (a daemon)
     work.join()  # runs it here if no process was started (the server was already up)
+
+
+def _get_ready(cfg: Any) -> None:
+    """What a run does first, done while Prefect's server starts: import the stages (torch,
+    transformers, DeepSpeed) and open the run's local MLflow database (about 9 s on 2 cores the
+    first time, when MLflow creates its tables; the flow's tracker then finds it made)."""
+    importlib.import_module("flows.flywheel")
+    uri = cfg.tracking_uri()
+    if cfg.tracking.enabled and uri.startswith("sqlite:///"):
+        from flywheel.tracking import Tracker
+
+        Tracker(uri, cfg.tracking.experiment)
 
 
 class _Beside:
@@ -648,7 +660,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         new = _missing(home)
         # A run that never splices has no check left that needs the stages (check_run checks
         # splices only), so Prefect's server starts now, beside the stages' imports (about 18 s
-        # on 2 cores before their .pyc files exist). A stage or a splicing run is checked first.
+        # on 2 cores before their .pyc files exist) and MLflow's database (_get_ready). A stage
+        # or a splicing run is checked first.
         from flows.walk import splices
 
         early = args.command == "run" and not splices(cfg, rounds)
@@ -656,7 +669,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             # Prefect's import wants its home to exist (it warns otherwise)
             home.mkdir(parents=True, exist_ok=True)
             if early:
-                _start_prefect_server(beside=lambda: importlib.import_module("flows.flywheel"))
+                _start_prefect_server(beside=lambda: _get_ready(cfg))
             from flows.flywheel import check_plan, check_run
 
             if args.command == "stage":

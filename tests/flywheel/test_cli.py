@@ -164,6 +164,29 @@ def test_work_beside_the_server_start_runs_once_and_raises_in_the_caller():
     _Beside(None).join()  # nothing to do: returns
 
 
+def test_get_ready_opens_the_runs_mlflow_database_and_imports_the_stages(tmp_path):
+    """What `flywheel run` does while Prefect's server starts: the stages are imported and the
+    run's local MLflow database holds its experiment, which the flow's tracker then finds."""
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from flywheel.cli import _get_ready
+
+    cfg = load_config(write_tiny_yaml(tmp_path, "tracking.enabled=true"))
+    _get_ready(cfg)
+    assert "flows.flywheel" in sys.modules
+    uri = cfg.tracking_uri()
+    assert uri.startswith("sqlite:///") and Path(uri[len("sqlite:///") :]).is_file()
+    found = MlflowClient(tracking_uri=uri).get_experiment_by_name(cfg.tracking.experiment)
+    assert found is not None
+    (tmp_path / "off").mkdir()
+    off = load_config(write_tiny_yaml(tmp_path / "off"))  # the tiny config: tracking off
+    assert not off.tracking.enabled
+    _get_ready(off)
+    assert not Path(off.tracking_uri()[len("sqlite:///") :]).exists()  # no database
+
+
 def test_a_revision_thought_the_tokenizer_cannot_spell_fails_before_any_work(tmp_path, capsys):
     """splice.thoughts with a word the embedded tokenizer lacks: the run stops at once, in one
     line naming the word, and writes nothing; the published thoughts' words pass."""

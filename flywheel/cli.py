@@ -24,7 +24,10 @@ config (types, ranges, duplicate YAML keys), the command-line arguments, every e
 its options), ``model.base`` and DeepSpeed templates, and that ``run.work_dir`` and a local
 store can be written. A refusal or a file-system failure is one line on stderr,
 ``flywheel: error: ...``, and exit code 2. Prefect's home (``PREFECT_HOME``, default
-``<run.work_dir>/prefect``) is made only when a flow is about to run.
+``<run.work_dir>/prefect``) is made only when a flow is about to run: after every check, when
+Prefect's server starts. A run that never splices has no check left that needs the stages, so
+its server starts before they are imported, and the imports (and MLflow's database) are done
+in a thread while it starts (``_start_prefect_server``; ``benchmarks/startup.py`` times it).
 
 ``artifacts ls`` prints what it can read and one ``flywheel: warning:`` line on stderr per
 artifact folder it cannot (no manifest, or a corrupted one); it exits 2 only when there were

@@ -150,7 +150,10 @@ class Tracker:
             return
         assert uri is not None  # enabled implies a uri
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+        # Migration chatter ("Creating initial MLflow database tables...") on a new database;
+        # a run's stderr carries only its own lines (an error stays one line).
+        for name in ("alembic", "mlflow.store.db.utils"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         from mlflow.tracking import MlflowClient
 
         artifacts = None  # a server decides; else MLflow's default, ./mlruns under the cwd

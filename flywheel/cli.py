@@ -129,8 +129,9 @@ def _start_prefect_server(beside: Callable[[], object] | None = None) -> None:
 
     ``beside``: work to do while the server starts (``flywheel run``'s ``_get_ready``: about
     18 s of imports on 2 cores before their ``.pyc`` files exist, and 9 s for MLflow's database;
-    the server's first start takes about 20 s, creating its own). It runs in a thread from the moment the server's process is
-    started until the server answers, and its exception is raised here. The process is started
+    the server's first start takes about 20 s, creating its own). It runs in a thread from the
+    moment the server's process is started until the server answers, and its exception is
+    raised here. The process is started
     from this (the main) thread before that thread exists: ``PR_SET_PDEATHSIG`` fires when the
     thread that forked a child ends, and a fork copies no lock the other thread holds.
 
@@ -288,7 +289,6 @@ def _preflight(cfg: Any, *, explores: bool) -> None:
         make_suite(env)  # unknown env, bad import path, bad options: one-line errors
     if cfg.model.base is not None and not Path(cfg.model.base).is_dir():
         raise ConfigError(f"config error: model.base: no such folder {cfg.model.base}")
-
     for name in type(cfg).model_fields:
         section = getattr(cfg, name)
         if not isinstance(section, TrainSection):

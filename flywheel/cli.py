@@ -172,7 +172,7 @@ def _start_prefect_server(beside: Callable[[], object] | None = None) -> None:
                 subprocess.Popen = popen  # type: ignore[misc]
                 work.start()  # the server's process exists: the work runs beside its start
 
-    OwnSessionServer().start()  # on a stop signal the work's thread is left (a daemon)
+    OwnSessionServer().start()  # on a stop signal shutdown waits for the work (_Beside)
     work.join()  # runs it here if no process was started (the server was already up)
 
 
@@ -189,15 +189,23 @@ def _get_ready(cfg: Any) -> None:
 
 
 class _Beside:
-    """A callable run once in a daemon thread (``start``), or here if never started (``join``);
-    ``join`` raises what it raised."""
+    """A callable run once in a thread (``start``), or here if never started (``join``);
+    ``join`` raises what it raised.
+
+    Not a daemon thread: when a stop signal ends the server's start, the command cleans up and
+    returns while the imports may still be loading extension modules, and an interpreter that
+    finalizes under such a thread aborts now and then (SIGABRT, "Fatal Python error: Aborted":
+    3 of 14 stops on 2 cores as a daemon, 0 of 25 since; tests/reliability/test_signals.py,
+    ``test_a_signal_while_prefect_starts_beside_the_imports_stops_the_run``). Python's shutdown
+    waits for a thread that is not a daemon, so the imports finish first (seconds; nothing in
+    them waits on the network or on us)."""
 
     def __init__(self, fn: Callable[[], object] | None) -> None:
         import threading
 
         self.fn = fn
         self.failed: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, name="beside-server-start", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="beside-server-start", daemon=False)
 
     def _run(self) -> None:
         try:

@@ -164,6 +164,29 @@ def test_work_beside_the_server_start_runs_once_and_raises_in_the_caller():
     _Beside(None).join()  # nothing to do: returns
 
 
+def test_the_interpreter_waits_for_work_beside_the_server_start(tmp_path):
+    """A stop signal ends the server's start and the command returns while the work may still
+    run; the interpreter must not finalize under it (as a daemon thread it aborted 3 runs of 14
+    with SIGABRT, mid-import). A process that starts the work and exits at once still sees it
+    finish."""
+    import subprocess
+    import sys
+
+    done = tmp_path / "done"
+    script = (
+        "import time, pathlib\n"
+        "from flywheel.cli import _Beside\n"
+        f"work = _Beside(lambda: (time.sleep(1.0), pathlib.Path({str(done)!r}).write_text('ok')))\n"
+        "work.start()\n"
+        "raise SystemExit(143)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 143, proc.stderr
+    assert done.is_file(), "the process exited before the work beside the start ended"
+
+
 def test_get_ready_opens_the_runs_mlflow_database_and_imports_the_stages(tmp_path):
     """What `flywheel run` does while Prefect's server starts: the stages are imported and the
     run's local MLflow database holds its experiment, which the flow's tracker then finds."""

@@ -187,6 +187,53 @@ def test_the_interpreter_waits_for_work_beside_the_server_start(tmp_path):
     assert done.is_file(), "the process exited before the work beside the start ended"
 
 
+PROBE_THE_SERVER_START = """
+import json, os, sys, threading, time
+import httpx
+from flywheel.cli import _environment, _start_prefect_server
+_environment()
+from prefect.server.api.server import SubprocessASGIServer
+seen = {}
+def probe():
+    url = SubprocessASGIServer().api_url + "/health"  # the port is chosen: its process runs
+    seen["thread"] = threading.current_thread().name
+    try:
+        seen["answered_at_start"] = httpx.get(url, timeout=0.5).status_code == 200
+    except httpx.HTTPError:
+        seen["answered_at_start"] = False
+    time.sleep(0.5)
+    seen["finished"] = time.monotonic()
+_start_prefect_server(beside=probe)
+seen["returned"] = time.monotonic()
+url = SubprocessASGIServer().api_url + "/health"
+seen["answers_after"] = httpx.get(url, timeout=10).status_code == 200
+SubprocessASGIServer().stop()
+print(json.dumps(seen))
+"""
+
+
+def test_the_work_beside_runs_while_prefects_server_starts(tmp_path):
+    """The overlap itself: ``_start_prefect_server(beside=...)`` starts the work in its thread
+    once the server's process runs and before that server answers, and returns after both the
+    work and the start are done. A real temporary server, in a process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE_THE_SERVER_START],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["thread"] == "beside-server-start", seen
+    assert seen["answered_at_start"] is False, f"the work started after the server was up: {seen}"
+    assert seen["finished"] <= seen["returned"], seen
+    assert seen["answers_after"] is True, seen
+
+
 def test_get_ready_opens_the_runs_mlflow_database_and_imports_the_stages(tmp_path):
     """What `flywheel run` does while Prefect's server starts: the stages are imported and the
     run's local MLflow database holds its experiment, which the flow's tracker then finds."""

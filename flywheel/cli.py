@@ -131,9 +131,9 @@ def _start_prefect_server(beside: Callable[[], object] | None = None) -> None:
     18 s of imports on 2 cores before their ``.pyc`` files exist, and 9 s for MLflow's database;
     the server's first start takes about 20 s, creating its own). It runs in a thread from the
     moment the server's process is started until the server answers, and its exception is
-    raised here. The process is started
-    from this (the main) thread before that thread exists: ``PR_SET_PDEATHSIG`` fires when the
-    thread that forked a child ends, and a fork copies no lock the other thread holds.
+    raised here. The process is started from this (the main) thread before that thread exists:
+    ``PR_SET_PDEATHSIG`` fires when the thread that forked a child ends, and a fork copies no
+    lock the other thread holds.
 
     Started by Prefect, it shares our process group, so a terminal's Ctrl-C or a
     ``kill -- -PGID`` stops it at the same moment as us; Prefect then spends a minute or more

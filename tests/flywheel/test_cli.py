@@ -188,7 +188,7 @@ def test_the_interpreter_waits_for_work_beside_the_server_start(tmp_path):
 
 
 PROBE_THE_SERVER_START = """
-import json, os, sys, threading, time
+import json, threading, time
 import httpx
 from flywheel.cli import _environment, _start_prefect_server
 _environment()
